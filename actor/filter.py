@@ -1,0 +1,59 @@
+"""DAPO's dynamic sampling (Yu et al., 2025, §3.2), as a pure decision per group.
+
+A group whose rewards are all equal has zero advantage everywhere and gives no policy gradient; DAPO drops it and
+samples more prompts until the batch is full of informative groups. Unbounded, that stalls a run whose model has
+solved (or cannot solve) nearly every prompt, so resampling is bounded: after ``max_consecutive`` filtered groups in a
+row, the next zero-std group is forwarded with the ``zero_std`` flag. The learner trains on it like any other (its
+advantages are 0, so it moves nothing but keeps the step count going), and the hit is counted and warned about once.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from enum import Enum
+
+from common.schemas import FilteredStats
+
+
+class Decision(Enum):
+    SEND = "send"
+    FILTER = "filter"
+    FORWARD = "forward"  # zero-std, sent anyway because resampling reached its bound
+
+
+def is_zero_std(rewards: Sequence[float]) -> bool:
+    return max(rewards) == min(rewards)
+
+
+def group_std(rewards: Sequence[float]) -> float:
+    """Population std of one group's rewards (the reward_std metric averages this over groups)."""
+    return statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
+
+
+class ZeroStdFilter:
+    def __init__(self, enabled: bool, max_consecutive: int):
+        self.enabled = enabled
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0
+
+    def decide(self, rewards: Sequence[float]) -> Decision:
+        if not self.enabled or not is_zero_std(rewards):
+            self.consecutive = 0
+            return Decision.SEND
+        if self.consecutive >= self.max_consecutive:
+            self.consecutive = 0
+            return Decision.FORWARD
+        self.consecutive += 1
+        return Decision.FILTER
+
+
+def filtered_stats(rewards: Sequence[float]) -> FilteredStats:
+    """What the learner needs to know of a group it will never see."""
+    return FilteredStats(
+        groups=1,
+        zero_std_groups=int(is_zero_std(rewards)),
+        completions=len(rewards),
+        reward_sum=float(sum(rewards)),
+        reward_std_sum=group_std(rewards),
+    )

@@ -1,0 +1,259 @@
+"""The actor: ``reload weights → wait for room → take prompts → sample → grade → filter and send → heartbeat``.
+
+Each step is one short method; the loop ends when the learner marks the run done, on SIGTERM/SIGINT (after the
+current round: a round's groups are sent in one transaction, never half), or on an error that is not retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry
+
+from actor.engine import Engine, make_engine
+from actor.filter import Decision, ZeroStdFilter, filtered_stats
+from common.config import Config, check_model_path
+from common.generation import Sample
+from common.metrics import ActorMetrics, MetricsServer, register_endpoint
+from common.schemas import Completion, FilteredStats, GroupMessage, encode_group
+from common.tasks import Problem, make_task
+from common.transport import Transport
+from common.weights import WeightsError
+from grader.pool import GraderPool
+
+log = logging.getLogger("actor")
+
+
+class Actor:
+    def __init__(
+        self,
+        cfg: Config,
+        actor_id: str,
+        transport: Transport,
+        engine: Engine,
+        grader: GraderPool,
+        metrics: ActorMetrics,
+    ):
+        self.cfg = cfg
+        self.id = actor_id
+        self.transport = transport
+        self.engine = engine
+        self.grader = grader
+        self.metrics = metrics
+        self.task = make_task(cfg.task.name, cfg.task.eval_size, cfg.run.seed)
+        self.filter = ZeroStdFilter(cfg.actor.filter_zero_std, cfg.actor.max_consecutive_filtered)
+        self.pending_filtered = FilteredStats()
+        self.stop = threading.Event()
+        self.groups_sent = 0
+        self.rounds = 0
+        self._prompt_ids: dict[str, list[int]] = {}
+        self._warned_forward = False
+        self._next_heartbeat = 0.0
+        self._pubsub: Any = None
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+
+    def run(self) -> str:
+        """Returns why it stopped."""
+        self._pubsub = self.transport.subscribe_weights()
+        try:
+            while not self.stop.is_set():
+                if self.transport.is_done():
+                    return "the learner finished the run"
+                self.reload_weights()
+                if not self.wait_for_room():
+                    continue
+                problems = self.next_problems()
+                samples = self.sample(problems)
+                rewards = self.grade(problems, samples)
+                self.send(problems, samples, rewards)
+                self.heartbeat()
+            return "asked to stop"
+        finally:
+            self._pubsub.close()
+
+    # -- steps --------------------------------------------------------------------------------------------------
+
+    def reload_weights(self) -> None:
+        """Load the announced version if it differs from ours (between rounds, never mid-generation)."""
+        while self._pubsub.get_message() is not None:  # announcements only wake us; the hash is the truth
+            pass
+        ann = self.transport.latest_weights()
+        if ann is None or ann.version == self.engine.version:
+            return
+        t0 = time.perf_counter()
+        try:
+            nbytes = self.engine.load(ann)
+        except WeightsError as e:  # e.g. pruned between announce and load: the next round sees a newer one
+            log.warning("could not load weights v%d: %s", ann.version, e)
+            return
+        seconds = time.perf_counter() - t0
+        self.metrics.weight_load_seconds.observe(seconds)
+        self.metrics.policy_version.set(ann.version)
+        log.debug("loaded weights v%d (%.1f MB) in %.3fs", ann.version, nbytes / 1e6, seconds)
+
+    def wait_for_room(self) -> bool:
+        """Backpressure: while the stream holds more unconsumed groups than the bound, wait (a weights announcement
+        wakes us early). Returns False when the loop should re-check its exit conditions first."""
+        bound = self.cfg.actor.max_stream_groups
+        if self.transport.stream_length() <= bound:
+            return True
+        t0 = time.perf_counter()
+        while not self.stop.is_set() and self.transport.stream_length() > bound:
+            if self._pubsub.get_message(timeout=0.2) is not None or self.transport.is_done():
+                break
+        self.metrics.backpressure_seconds.inc(time.perf_counter() - t0)
+        return False
+
+    def next_problems(self) -> list[Problem]:
+        positions = self.transport.next_prompts(self.cfg.actor.prompts_per_round)
+        return [self.task.at(p) for p in positions]
+
+    def _encode_prompt(self, problem: Problem) -> list[int]:
+        ids = self._prompt_ids.get(problem.id)
+        if ids is None:
+            ids = self._prompt_ids[problem.id] = list(self.engine.tokenizer(problem.prompt).input_ids)
+        return ids
+
+    def sample(self, problems: list[Problem]) -> list[list[Sample]]:
+        t0 = time.perf_counter()
+        self.version_sampled = self.engine.version
+        groups = self.engine.generate([self._encode_prompt(p) for p in problems], self.cfg.actor.group_size)
+        self.metrics.generation_seconds.observe(time.perf_counter() - t0)
+        n = sum(len(g) for g in groups)
+        self.metrics.completions.inc(n)
+        self.metrics.tokens.inc(sum(len(s.token_ids) for g in groups for s in g))
+        return groups
+
+    def grade(self, problems: list[Problem], groups: list[list[Sample]]) -> list[list[float]]:
+        t0 = time.perf_counter()
+        n = self.cfg.actor.group_size
+        result = self.grader.grade_samples(
+            self.engine.tokenizer,
+            [s for g in groups for s in g],
+            [p.reference for p in problems for _ in range(n)],
+            require_stop=self.cfg.task.require_stop,
+        )
+        for kind, count in result.errors.items():
+            self.metrics.grader_errors.labels(kind).inc(count)
+        self.metrics.grader_seconds.observe(time.perf_counter() - t0)
+        self.metrics.reward.set(float(np.mean(result.scores)))
+        return [result.scores[i : i + n] for i in range(0, len(result.scores), n)]
+
+    def send(self, problems: list[Problem], groups: list[list[Sample]], rewards: list[list[float]]) -> None:
+        """Filter zero-std groups (DAPO) and XADD the rest in one transaction with this round's counters."""
+        payloads: list[bytes] = []
+        counters: Counter[str] = Counter()
+        for problem, samples, r in zip(problems, groups, rewards, strict=True):
+            decision = self.filter.decide(r)
+            if decision is Decision.FILTER:
+                self.pending_filtered += filtered_stats(r)
+                counters["groups_filtered:zero_std"] += 1
+                continue
+            if decision is Decision.FORWARD:
+                counters["zero_std_forwarded"] += 1
+                self._warn_forward_once()
+            payloads.append(encode_group(self._message(problem, samples, r, decision is Decision.FORWARD)))
+            self.pending_filtered = FilteredStats()
+        self.transport.produce(payloads, dict(counters))
+        self.groups_sent += len(payloads)
+        self.rounds += 1
+        self.metrics.groups_produced.inc(len(payloads))
+        if counters["groups_filtered:zero_std"]:
+            self.metrics.groups_filtered.labels("zero_std").inc(counters["groups_filtered:zero_std"])
+        if counters["zero_std_forwarded"]:
+            self.metrics.groups_forwarded.inc(counters["zero_std_forwarded"])
+
+    def _message(self, problem: Problem, samples: list[Sample], rewards: list[float], forwarded: bool) -> GroupMessage:
+        return GroupMessage(
+            prompt_id=problem.id,
+            policy_version=self.version_sampled,
+            actor_id=self.id,
+            prompt_ids=np.asarray(self._encode_prompt(problem), dtype=np.int32),
+            completions=tuple(
+                Completion(
+                    np.asarray(s.token_ids, dtype=np.int32),
+                    np.asarray(s.logprobs, dtype=np.float32),
+                    float(reward),
+                    s.finish_reason,  # type: ignore[arg-type]
+                )
+                for s, reward in zip(samples, rewards, strict=True)
+            ),
+            zero_std=forwarded,
+            filtered=self.pending_filtered,
+        )
+
+    def _warn_forward_once(self) -> None:
+        if not self._warned_forward:
+            self._warned_forward = True
+            log.warning(
+                "%d groups in a row had equal rewards (prompts too easy or too hard for the model): sending zero-std "
+                "groups flagged so the learner does not starve (counted as zero_std_forwarded; warned once)",
+                self.cfg.actor.max_consecutive_filtered,
+            )
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        ttl = self.cfg.actor.heartbeat_ttl_s
+        self._next_heartbeat = now + ttl / 3
+        self.transport.heartbeat(
+            self.id, ttl, {"version": self.engine.version, "groups_sent": self.groups_sent, "rounds": self.rounds}
+        )
+
+
+# -- the process ------------------------------------------------------------------------------------------------
+
+
+def run_actor(cfg: Config) -> int:
+    torch.set_num_threads(cfg.actor.torch_threads)
+    check_model_path(cfg.model.path)
+    actor_id = cfg.actor.id or f"{socket.gethostname()}-{os.getpid()}"
+    registry = CollectorRegistry()
+    metrics = ActorMetrics(registry)
+    transport = Transport(cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc)
+    transport.ping()
+    if cfg.actor.group_size <= 3:
+        log.warning("group size %d: with so few answers grader noise becomes a full ±1 advantage", cfg.actor.group_size)
+
+    actor: Actor | None = None
+
+    def health() -> tuple[bool, dict]:
+        return True, {"role": "actor", "id": actor_id, "version": actor.engine.version if actor else None}
+
+    server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
+    register_endpoint(cfg.run.dir, "actor", actor_id, server.url)
+    grader = GraderPool(cfg.grader.name, cfg.grader.timeout_s, cfg.grader.isolation)
+    try:
+        engine = make_engine(cfg, seed=cfg.run.seed * 1_000_003 + os.getpid())
+        actor = Actor(cfg, actor_id, transport, engine, grader, metrics)
+        stop = actor.stop
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        log.info(
+            "actor %s: engine %s, group size %d, %d prompts per round, metrics %s",
+            actor_id,
+            cfg.actor.engine,
+            cfg.actor.group_size,
+            cfg.actor.prompts_per_round,
+            server.url,
+        )
+        reason = actor.run()
+        log.info(
+            "actor %s stopped (%s): %d groups sent in %d rounds", actor_id, reason, actor.groups_sent, actor.rounds
+        )
+        return 0
+    finally:
+        grader.close()
+        server.close()
+        transport.close()

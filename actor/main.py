@@ -1,0 +1,16 @@
+"""``grpo actor``: one actor process (sample, grade, filter, send), for docker compose, clusters and ``grpo run``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.cli import parse_config
+from common.log import setup_logging
+
+
+def main(argv: Sequence[str]) -> int:
+    cfg = parse_config("grpo actor", __doc__ or "", argv)
+    setup_logging("actor", cfg.run.log_level)
+    from actor.loop import run_actor  # torch and transformers load only after the arguments are valid
+
+    return run_actor(cfg)

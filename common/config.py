@@ -1,0 +1,305 @@
+"""The one config tree of the pipeline (pydantic v2).
+
+Every process (``grpo run``, ``grpo learner``, ``grpo actor``) loads the same tree, in this order, later wins:
+
+1. the defaults below (they are the CPU demo: single-digit addition on a tiny model);
+2. one YAML file (``--config FILE``);
+3. the environment, for secrets and deployment settings: ``GRPO_REDIS_URL``, ``GRPO_REDIS_PASSWORD``,
+   ``GRPO_RUN_NAME``, ``GRPO_RUN_DIR``, ``GRPO_MODEL_PATH``;
+4. ``-o key=value`` dotted overrides from the command line (values are parsed as YAML: ``-o learner.lr=1e-3``).
+
+Invalid values raise :class:`ConfigError` whose message is one line per problem, naming the field; the CLI prints it
+and exits with code 2. The resolved tree is written to ``<run.dir>/config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake: the message names the field and is fit to print as is."""
+
+
+class _Section(BaseModel):
+    # extra="forbid": a misspelt key is an error naming it, not a silently ignored setting.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="run name; Redis keys are grpo:{name}:*")
+    dir: str = Field("", description="run directory; empty = runs/<name>")
+    steps: int = Field(200, ge=1, description="learner steps (one batch of groups each) before the run ends")
+    actors: int = Field(2, ge=0, description="actor processes that `grpo run` starts")
+    seed: int = 0
+    shuffle_rewards: bool = Field(
+        False,
+        description="control experiment: permute rewards across the batch before advantages; the model must not learn",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class RedisConfig(_Section):
+    url: str = Field("", description="redis:// or rediss:// URL; empty under `grpo run` = a private server")
+    password: SecretStr | None = Field(None, description="overrides the URL's password; env GRPO_REDIS_PASSWORD")
+    socket_timeout_s: float = Field(30.0, gt=0)
+    retries: int = Field(5, ge=0, description="attempts per Redis command on connection errors, with backoff")
+
+
+class ModelConfig(_Section):
+    path: str = Field("", description="HF model directory or hub name; empty under `grpo run` = the tiny demo model")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("cpu", description="torch device of the learner and the local engine: cpu, cuda, cuda:1")
+
+
+class TaskConfig(_Section):
+    name: Literal["addition"] = Field("addition", description="prompt source; real datasets come with their own task")
+    eval_size: int = Field(20, ge=1, description="held-out problems for eval/accuracy, never used as RL prompts")
+    require_stop: bool = Field(True, description="a completion that did not end with end-of-sequence scores 0")
+
+
+class SamplingConfig(_Section):
+    # The learner recomputes log-probs at the same temperature, so these live in one shared section.
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1 = off")
+    max_new_tokens: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _unfiltered(self) -> SamplingConfig:
+        # Behaviour log-probs are those of the temperature-scaled distribution over the whole vocabulary (what SGLang
+        # returns); with top-p/top-k the sampling distribution differs and the importance ratio would be biased.
+        if self.top_p != 1.0 or self.top_k not in (-1, 0):
+            raise ValueError("top_p must be 1 and top_k -1: log-probs are not corrected for truncated sampling")
+        return self
+
+
+class GraderConfig(_Section):
+    name: Literal["addition", "exact", "gsm8k", "math"] = "addition"
+    timeout_s: float = Field(5.0, gt=0, description="time limit per answer; past it the answer scores 0")
+    isolation: Literal["process", "inline"] = Field(
+        "process", description="process: graders run in a worker process that is killed on a time-out"
+    )
+
+
+class ActorConfig(_Section):
+    id: str = Field("", description="empty = <hostname>-<pid>")
+    engine: Literal["local"] = "local"
+    group_size: int = Field(8, ge=2, description="completions per prompt (G); below 2 there is no baseline")
+    prompts_per_round: int = Field(16, ge=1, description="prompts generated together in one engine call")
+    filter_zero_std: bool = Field(True, description="DAPO dynamic sampling: drop groups whose rewards are all equal")
+    max_consecutive_filtered: int = Field(
+        64,
+        ge=1,
+        description="after this many filtered groups in a row, the next zero-std group is sent, flagged",
+    )
+    max_stream_groups: int = Field(
+        0,
+        ge=0,
+        description="backpressure: wait while the stream holds more groups; 0 = 2 x learner.batch_groups",
+    )
+    heartbeat_ttl_s: float = Field(15.0, gt=0)
+    torch_threads: int = Field(1, ge=1)
+
+
+class AdvantageConfig(_Section):
+    scale: Literal["group", "batch", "none"] = Field("group", description="divide by the group's std, batch's, or 1")
+    ddof: Literal[0, 1] = Field(0, description="0 = population std (the seed's table), 1 = Bessel (TRL)")
+    eps: float = Field(1e-6, ge=0)
+
+
+class LearnerConfig(_Section):
+    batch_groups: int = Field(32, ge=1, description="groups per learner step")
+    minibatches: int = Field(4, ge=1, description="optimizer steps per batch (the batch is split into this many)")
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    epsilon_low: float = Field(0.2, ge=0, lt=1)
+    epsilon_high: float = Field(0.28, ge=0)
+    beta: float = Field(0.0, ge=0, description="KL penalty weight; 0 = no reference model")
+    advantage: AdvantageConfig = AdvantageConfig()
+    max_staleness: int = Field(2, ge=0, description="drop groups more than this many versions behind")
+    old_logprobs: Literal["proximal", "behavior"] = Field(
+        "proximal",
+        description="ratio denominator: the learner's own log-probs at the start of the step, or the engine's",
+    )
+    tis_cap: float = Field(2.0, ge=1, description="cap C of the importance weight min(π_prox / π_behaviour, C)")
+    publish_every: int = Field(1, ge=1)
+    eval_every: int = Field(20, ge=1)
+    read_block_ms: int = Field(1000, ge=1)
+    torch_threads: int = Field(1, ge=1)
+
+
+class WeightsConfig(_Section):
+    dir: str = Field("", description="shared weights directory; empty = <run.dir>/weights")
+    keep: int = Field(3, ge=2, description="published versions kept on disk (older ones are deleted)")
+
+
+class MetricsConfig(_Section):
+    host: str = Field("127.0.0.1", description="address /metrics and /healthz bind to")
+    port: int = Field(0, ge=0, le=65535, description="0 = any free port (reported in endpoints.json)")
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    redis: RedisConfig = RedisConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    grader: GraderConfig = GraderConfig()
+    actor: ActorConfig = ActorConfig()
+    learner: LearnerConfig = LearnerConfig()
+    weights: WeightsConfig = WeightsConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _derived_paths(self) -> Config:
+        if not self.run.dir:
+            self.run.dir = str(Path("runs") / self.run.name)
+        if not self.weights.dir:
+            self.weights.dir = str(Path(self.run.dir) / "weights")
+        if not self.actor.max_stream_groups:
+            # One batch being read (pending) plus one waiting: staleness stays near 1 version.
+            self.actor.max_stream_groups = 2 * self.learner.batch_groups
+        elif self.actor.max_stream_groups < self.learner.batch_groups:
+            # The learner's partly read batch counts towards the bound: below one batch, actors and learner
+            # would wait for each other forever.
+            raise ValueError(
+                f"actor.max_stream_groups ({self.actor.max_stream_groups}) must be at least learner.batch_groups "
+                f"({self.learner.batch_groups})"
+            )
+        return self
+
+    def resolved_dict(self) -> dict[str, Any]:
+        """The tree as plain JSON values without secrets (this is what config.json holds).
+
+        The password is left out and a password inside the URL is masked: pass secrets through the environment.
+        """
+        tree = json.loads(self.model_dump_json())
+        tree["redis"]["password"] = None
+        tree["redis"]["url"] = mask_url(self.redis.url)
+        return tree
+
+
+def mask_url(url: str) -> str:
+    """``redis://user:secret@host:6379/0`` → ``redis://user:***@host:6379/0``."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+
+
+# Environment variables read into the tree; the names are documented in the README.
+ENV_KEYS: dict[str, str] = {
+    "GRPO_REDIS_URL": "redis.url",
+    "GRPO_REDIS_PASSWORD": "redis.password",
+    "GRPO_RUN_NAME": "run.name",
+    "GRPO_RUN_DIR": "run.dir",
+    "GRPO_MODEL_PATH": "model.path",
+}
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise ConfigError(f"config error: {key!r}: not a dotted key such as learner.lr")
+    node = tree
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config error: {'.'.join(parts[: depth + 1])}: is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"learner.lr=1e-3"`` → ``("learner.lr", 1e-3)``; the value is read as YAML (numbers, booleans, lists)."""
+    key, sep, raw = item.partition("=")
+    if not sep:
+        raise ConfigError(f"config error: override {item!r} is not key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "config"
+        got = e.get("input")
+        shown = "" if isinstance(got, dict) or e["type"] == "missing" else f" (got {got!r})"
+        lines.append(f"config error: {field}: {e['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Iterable[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Defaults < YAML file < environment < ``-o`` overrides. Raises :class:`ConfigError`."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config error: --config {p}: no such file")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config error: {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config error: {p}: the top level must be a mapping of sections")
+        tree = loaded
+    environ = os.environ if env is None else env
+    for var, key in ENV_KEYS.items():
+        if environ.get(var):
+            _set_dotted(tree, key, environ[var])
+    for item in overrides:
+        _set_dotted(tree, *parse_override(item))
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+    cfg.run.dir = str(Path(cfg.run.dir).expanduser().resolve())
+    cfg.weights.dir = str(Path(cfg.weights.dir).expanduser().resolve())
+    return cfg
+
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_path(path: str) -> None:
+    """A model path that is neither a model directory nor a hub name (``org/name``) is a user's mistake."""
+    if not path:
+        raise ConfigError("config error: model.path: empty; give an HF model directory or hub name")
+    local = Path(path).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"config error: model.path: {path} is not a model directory (no config.json)")
+    elif not _HUB_NAME.match(path):
+        raise ConfigError(f"config error: model.path: {path}: no such directory")
+
+
+def write_resolved(cfg: Config, path: str | os.PathLike[str]) -> None:
+    """Write the resolved tree as JSON (temp name, then rename, so a reader never sees half a file)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cfg.resolved_dict(), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, target)

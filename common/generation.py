@@ -1,0 +1,98 @@
+"""Sampling with transformers ``generate`` (KV cache), shared by the local engine (actors) and evaluation (learner).
+
+What comes back for each completion is what SGLang's ``/generate`` returns with ``return_logprob``: the sampled token
+ids (up to and including the end-of-sequence token), the log-prob of each under the temperature-scaled distribution
+over the whole vocabulary, and a finish reason (``stop`` at end-of-sequence, ``length`` at ``max_new_tokens``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common.grpo import token_logprobs
+
+
+@dataclass(frozen=True)
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+def split_at_stop(tokens: Sequence[int], stop_ids: set[int]) -> tuple[list[int], str]:
+    """Cut a generated row after its first stop token (kept: the policy is trained to emit it)."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return list(tokens[: i + 1]), "stop"
+    return list(tokens), "length"
+
+
+def completion_text(tokenizer: Any, token_ids: Sequence[int], finish_reason: str) -> str:
+    """The text a grader sees: the completion without its final stop token. Other special tokens stay visible, so a
+    completion that hides junk tokens (``8<pad>``) is not mistaken for a clean answer."""
+    body = token_ids[:-1] if finish_reason == "stop" else token_ids
+    return tokenizer.decode(list(body), skip_special_tokens=False)
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    return {int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None}
+
+
+@torch.no_grad()
+def generate(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    n: int,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    pad_id: int,
+    temperature: float | None,
+) -> list[list[Sample]]:
+    """``n`` completions for each prompt (prompt-major), sampled at ``temperature`` or greedy when it is None."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    # Left padding: every row's next token comes right after its last prompt token.
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        attn[i, width - len(p) :] = 1
+    greedy = temperature is None
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=attn.to(device),
+        do_sample=not greedy,
+        # Every knob that could reshape the distribution is set explicitly: a model's generation_config.json may
+        # carry top_k/top_p/repetition_penalty defaults, and the behaviour log-probs below assume plain
+        # temperature sampling over the full vocabulary.
+        temperature=None if greedy else temperature,
+        top_k=None if greedy else 0,
+        top_p=None if greedy else 1.0,
+        min_p=None,
+        repetition_penalty=None,
+        num_return_sequences=n,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(stop_ids),
+        pad_token_id=pad_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    new_tokens = out.sequences[:, width:]
+    steps = new_tokens.shape[1]
+    logits = torch.stack(out.logits[:steps], dim=1)  # raw logits (B·n, steps, V), before any processor
+    logps = token_logprobs(logits, new_tokens, temperature or 1.0).cpu()
+    rows: list[list[Sample]] = []
+    for i, row in enumerate(new_tokens.cpu().tolist()):
+        tokens, reason = split_at_stop(row, stop_ids)
+        sample = Sample(tokens, logps[i, : len(tokens)].tolist(), reason)
+        if i % n == 0:
+            rows.append([])
+        rows[-1].append(sample)
+    return rows

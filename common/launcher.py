@@ -1,0 +1,286 @@
+"""``grpo run``: the whole pipeline on this machine, as separate processes talking through Redis.
+
+``prepare → start Redis → start the learner and actors → watch → summarise → stop everything``. The children are
+the same ``grpo learner`` / ``grpo actor`` entry points that docker compose runs, started with the resolved
+``config.json``; their logs go to ``<run.dir>/logs/``. Every child is stopped by PID on completion, on Ctrl-C, and
+when any child dies (then this command exits non-zero and says which child and why); each child also dies with
+this process if it is killed outright.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.cli import role_parser
+from common.config import Config, load_config, write_resolved
+from common.log import setup_logging
+from common.metrics import gather_endpoints
+from common.procs import die_with_parent, stop_process
+from common.transport import Transport, read_balance
+
+log = logging.getLogger("run")
+
+_STARTUP_TIMEOUT_S = 300.0
+_ACTOR_EXIT_GRACE_S = 15.0
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    role: str
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            with self.log_path.open(errors="replace") as f:
+                return "".join(deque(f, maxlen=n))
+        except OSError:
+            return ""
+
+
+@dataclass
+class Run:
+    cfg: Config
+    children: list[Child] = field(default_factory=list)
+    redis_server: Any = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    _offset: int = 0
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run.dir)
+
+    # -- prepare ------------------------------------------------------------------------------------------------
+
+    def prepare_dir(self) -> None:
+        """A fresh run directory; a previous run's directory is kept, renamed with its time."""
+        d = self.run_dir
+        if d.exists() and any(d.iterdir()):
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(d.stat().st_mtime))
+            kept = d.with_name(f"{d.name}.{stamp}")
+            n = 1
+            while kept.exists():
+                kept, n = d.with_name(f"{d.name}.{stamp}-{n}"), n + 1
+            d.rename(kept)
+            log.info("kept the previous run in %s", kept)
+        (d / "logs").mkdir(parents=True, exist_ok=True)
+
+    def prepare_model(self) -> None:
+        if self.cfg.model.path:
+            return
+        from common.tiny_model import ensure_tiny_model  # torch and transformers load only when needed
+
+        self.cfg.model.path = str(ensure_tiny_model(self.cfg.run.seed, self.cfg.task.eval_size))
+
+    def start_redis(self) -> None:
+        if not self.cfg.redis.url:
+            from common.redis_server import RedisServer
+
+            self.redis_server = RedisServer(self.run_dir / "redis").start()
+            self.cfg.redis.url = self.redis_server.url
+            log.info("private redis-server (pid %d) at %s", self.redis_server.proc.pid, self.redis_server.url)
+            return
+        t = Transport(self.cfg.redis, self.cfg.run.name)
+        try:
+            t.ping()  # an unreachable Redis is a user's mistake: one line, exit 2 (TransportError)
+            t.delete_run()  # a fresh run under this name: old counters would break the accounting
+        finally:
+            t.close()
+
+    # -- children -----------------------------------------------------------------------------------------------
+
+    def spawn(self, role: str, name: str, overrides: Sequence[str] = ()) -> None:
+        env = dict(os.environ)
+        # Secrets travel through the environment, never through config.json (which masks them).
+        env["GRPO_REDIS_URL"] = self.cfg.redis.url
+        if self.cfg.redis.password is not None:
+            env["GRPO_REDIS_PASSWORD"] = self.cfg.redis.password.get_secret_value()
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        cmd = [sys.executable, "-m", "common.cli", role, "--config", str(self.run_dir / "config.json")]
+        for o in overrides:
+            cmd += ["-o", o]
+        with log_path.open("ab") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent, start_new_session=True
+            )
+        self.children.append(Child(role, name, proc, log_path))
+
+    def start_children(self) -> None:
+        self.spawn("learner", "learner")
+        for i in range(1, self.cfg.run.actors + 1):
+            self.spawn("actor", f"actor-{i}", [f"actor.id=actor-{i}"])
+
+    def check_children(self) -> Child | None:
+        """The learner when it has finished; raises ChildFailed when any child has died otherwise."""
+        learner = next(c for c in self.children if c.role == "learner")
+        for child in self.children:
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if code == 0 and child.role == "actor":
+                # An actor ends by itself once the learner has marked the run done, which may be seen here a moment
+                # before the learner's own exit.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    learner.proc.wait(timeout=_ACTOR_EXIT_GRACE_S)
+                child = learner if learner.proc.returncode is not None else child
+                code = learner.proc.returncode if learner.proc.returncode is not None else code
+            if child.role == "learner" and code == 0:
+                return child
+            raise ChildFailed(
+                f"{child.name} (pid {child.proc.pid}) exited with code {code}; last lines of {child.log_path}:\n"
+                + child.tail()
+            )
+        return None
+
+    def wait_for_endpoints(self) -> list[dict[str, Any]]:
+        want = 1 + self.cfg.run.actors
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while True:
+            endpoints = gather_endpoints(self.run_dir)
+            if len(endpoints) >= want:
+                break
+            self.check_children()
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"only {len(endpoints)} of {want} processes came up in {_STARTUP_TIMEOUT_S:.0f}s")
+            time.sleep(0.1)
+        tmp = self.run_dir / ".endpoints.json.tmp"
+        tmp.write_text(json.dumps(endpoints, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / "endpoints.json")
+        return endpoints
+
+    def stop_children(self) -> None:
+        # Actors first (they exit by themselves once the learner marks the run done), then the learner.
+        for child in sorted(self.children, key=lambda c: c.role == "learner"):
+            stop_process(child.proc, grace_s=10, name=child.name)
+
+    def wait_actors(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            if child.role == "actor":
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+    # -- progress -----------------------------------------------------------------------------------------------
+
+    def read_rows(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        with path.open() as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self._offset += len(complete.encode())
+        new = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        self.rows.extend(new)
+        return new
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarise(rows: list[dict[str, Any]], balance: Any, wall_s: float) -> dict[str, Any]:
+    steps = [r for r in rows if r.get("step", 0) > 0 and "reward" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    rewards = [r["reward"] for r in steps]
+    return {
+        "steps": len(steps),
+        "wall_s": wall_s,
+        "reward_first10": _mean(rewards[:10]),
+        "reward_last10": _mean(rewards[-10:]),
+        "eval_accuracy_first": evals[0]["eval/accuracy"] if evals else None,
+        "eval_accuracy_final": evals[-1]["eval/accuracy"] if evals else None,
+        "frac_reward_zero_std_last10": _mean([r["frac_reward_zero_std"] for r in steps[-10:]]),
+        "staleness_mean": _mean([r["staleness/mean"] for r in steps]),
+        "staleness_max": max((r["staleness/max"] for r in steps), default=None),
+        "groups_per_s": steps[-1]["groups_per_s"] if steps else None,
+        "groups_produced": balance.produced,
+        "groups_trained": balance.trained,
+        "groups_dropped": balance.dropped,
+        "groups_dead": balance.dead,
+        "groups_in_stream": balance.in_stream,
+        "groups_filtered": balance.filtered,
+        "unexplained": balance.unexplained,
+        "equation": balance.equation(),
+    }
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = role_parser("grpo run", __doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--plain", action="store_true", help="print progress lines instead of a live view")
+    args = parser.parse_args(list(argv))
+    cfg = load_config(args.config, args.override)
+    setup_logging("run", cfg.run.log_level)
+    from common.progress import Progress  # rich loads only after the arguments are valid
+
+    run = Run(cfg)
+    progress = Progress(cfg, live=not args.plain and sys.stdout.isatty())
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        interrupted.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        run.prepare_dir()
+        run.prepare_model()
+        run.start_redis()
+        write_resolved(cfg, run.run_dir / "config.json")
+        run.start_children()
+        endpoints = run.wait_for_endpoints()
+        progress.endpoints(endpoints)
+        with progress:
+            while not interrupted:
+                finished = run.check_children()
+                progress.update(run.read_rows())
+                if finished:
+                    break
+                time.sleep(0.25)
+        if interrupted:
+            log.warning("interrupted: stopping every process of the run")
+            return 128 + interrupted[0]
+        run.read_rows()
+        run.wait_actors(_ACTOR_EXIT_GRACE_S)
+        run.stop_children()
+        t = Transport(cfg.redis, cfg.run.name)
+        try:
+            balance = read_balance(t)
+        finally:
+            t.close()
+        summary = summarise(run.rows, balance, time.perf_counter() - run.started)
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        progress.summary(summary)
+        if balance.unexplained:
+            log.error("the accounting does not balance: %s", balance.equation())
+            return 1
+        return 0
+    except ChildFailed as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        run.stop_children()
+        if run.redis_server is not None:
+            run.redis_server.stop()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        shutil.rmtree(run.run_dir / "redis", ignore_errors=True)

@@ -1,0 +1,173 @@
+"""Prometheus metrics of every role, in one file, and the small HTTP server that exposes them.
+
+Each process owns a private :class:`CollectorRegistry` (no module-global default registry, so two roles in one test
+process never collide) and serves ``/metrics`` (Prometheus text format) and ``/healthz`` (JSON; 200 when healthy,
+503 otherwise) on ``metrics.host:metrics.port``. Names start with ``grpo_`` and carry their unit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+log = logging.getLogger(__name__)
+
+_FAST = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RedisMetrics:
+    """Shared by every role: what the transport counts."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.errors = Counter("grpo_redis_errors", "Redis commands that failed", registry=registry)
+        self.reconnects = Counter("grpo_redis_reconnects", "Redis reconnect attempts", registry=registry)
+
+
+class LearnerMetrics(RedisMetrics):
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__(registry)
+        r = registry
+        self.step = Gauge("grpo_learner_step", "learner steps completed", registry=r)
+        self.policy_version = Gauge("grpo_learner_policy_version", "policy version being trained", registry=r)
+        self.reward = Gauge("grpo_learner_reward_mean", "mean reward of everything sampled for the step", registry=r)
+        self.reward_trained = Gauge("grpo_learner_reward_trained_mean", "mean reward of trained groups", registry=r)
+        self.frac_zero_std = Gauge(
+            "grpo_learner_frac_reward_zero_std", "fraction of sampled groups with equal rewards", registry=r
+        )
+        self.clip_ratio = Gauge("grpo_learner_clip_ratio", "fraction of tokens clipped", ["region"], registry=r)
+        self.kl = Gauge("grpo_learner_kl", "k3 KL estimate against the reference model", registry=r)
+        self.entropy = Gauge("grpo_learner_entropy_nats", "mean token entropy of the policy", registry=r)
+        self.staleness = Gauge("grpo_learner_staleness_versions", "policy versions behind", ["stat"], registry=r)
+        self.loss = Gauge("grpo_learner_loss", "loss of the last step", registry=r)
+        self.lr = Gauge("grpo_learner_lr", "learning rate", registry=r)
+        self.tokens_per_s = Gauge("grpo_learner_tokens_per_second", "completion tokens trained per second", registry=r)
+        self.step_seconds = Histogram("grpo_learner_step_seconds", "wall time of one step", buckets=_FAST, registry=r)
+        self.groups_consumed = Counter("grpo_learner_groups_consumed", "groups trained on", registry=r)
+        self.groups_dropped = Counter("grpo_learner_groups_dropped", "groups refused", ["reason"], registry=r)
+        self.groups_dead = Counter("grpo_learner_groups_dead", "messages dead-lettered", registry=r)
+        self.publish_seconds = Histogram(
+            "grpo_learner_weight_publish_seconds", "time to write and announce weights", buckets=_FAST, registry=r
+        )
+        self.publish_bytes = Gauge(
+            "grpo_learner_weight_publish_bytes", "size of the last published weights", registry=r
+        )
+        self.eval_accuracy = Gauge("grpo_learner_eval_accuracy", "greedy accuracy on held-out prompts", registry=r)
+
+
+class ActorMetrics(RedisMetrics):
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__(registry)
+        r = registry
+        self.groups_produced = Counter("grpo_actor_groups_produced", "groups sent to the stream", registry=r)
+        self.groups_filtered = Counter(
+            "grpo_actor_groups_filtered", "groups sampled and not sent", ["reason"], registry=r
+        )
+        self.groups_forwarded = Counter(
+            "grpo_actor_groups_forwarded_zero_std", "zero-std groups sent because resampling hit its limit", registry=r
+        )
+        self.completions = Counter("grpo_actor_completions", "completions generated", registry=r)
+        self.tokens = Counter("grpo_actor_tokens_generated", "completion tokens generated", registry=r)
+        self.reward = Gauge("grpo_actor_reward_mean", "mean reward of the last round", registry=r)
+        self.generation_seconds = Histogram(
+            "grpo_actor_generation_seconds", "engine time per round", buckets=_FAST, registry=r
+        )
+        self.grader_seconds = Histogram(
+            "grpo_actor_grader_seconds", "grading time per round", buckets=_FAST, registry=r
+        )
+        self.grader_errors = Counter(
+            "grpo_actor_grader_errors", "answers that crashed or timed out the grader", ["kind"], registry=r
+        )
+        self.weight_load_seconds = Histogram(
+            "grpo_actor_weight_load_seconds", "time to verify and load new weights", buckets=_FAST, registry=r
+        )
+        self.policy_version = Gauge("grpo_actor_policy_version", "policy version the actor samples with", registry=r)
+        self.backpressure_seconds = Counter(
+            "grpo_actor_backpressure_wait_seconds", "time spent waiting for the learner to catch up", registry=r
+        )
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            body, ctype, code = generate_latest(self.server.registry), CONTENT_TYPE_LATEST, 200
+        elif path == "/healthz":
+            ok, info = self.server.health()
+            body, ctype, code = json.dumps({"ok": ok, **info}).encode(), "application/json", 200 if ok else 503
+        else:
+            body, ctype, code = b"not found: try /metrics or /healthz\n", "text/plain", 404
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line each
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, addr: tuple[str, int], registry: CollectorRegistry, health: Callable[[], tuple[bool, dict]]):
+        super().__init__(addr, _Handler)
+        self.registry = registry
+        self.health = health
+
+
+class MetricsServer:
+    """``/metrics`` and ``/healthz`` on a background thread. Port 0 binds any free port; :attr:`url` says which."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str,
+        port: int,
+        health: Callable[[], tuple[bool, dict]] = lambda: (True, {}),
+    ):
+        self._server = _Server((host, port), registry, health)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = str(self._server.server_address[0]), self._server.server_address[1]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        return f"http://{shown}:{port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+# --- endpoints: where each process's /metrics is -----------------------------------------------------------------
+
+
+def register_endpoint(run_dir: str | os.PathLike[str], role: str, name: str, url: str) -> Path:
+    """Record this process's metrics URL under ``<run_dir>/endpoints.d/``; ``grpo run`` gathers them."""
+    d = Path(run_dir) / "endpoints.d"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{role}-{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"role": role, "name": name, "pid": os.getpid(), "metrics_url": url}))
+    os.replace(tmp, path)
+    return path
+
+
+def gather_endpoints(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    d = Path(run_dir) / "endpoints.d"
+    if not d.is_dir():
+        return []
+    out = [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))]
+    return sorted(out, key=lambda e: (e["role"] != "learner", e["name"]))

@@ -1,0 +1,219 @@
+"""``grpo make-tiny-model DIR``: the offline demo model, built here, never downloaded.
+
+A character-level tokenizer (``tokenizers`` WordLevel, one token per character, wrapped in PreTrainedTokenizerFast)
+and a small ``LlamaForCausalLM`` (~0.5M parameters), saved with ``save_pretrained`` and reloadable offline with
+``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained``. Llama, not Qwen2: from a Qwen2 folder ``AutoTokenizer``
+loads a Qwen2Tokenizer that silently drops spaces.
+
+RL starts from a fine-tuned model, so by default the model also gets a brief supervised warm start on the demo task
+(single-digit addition, cross-entropy on the answer and end-of-sequence tokens), stopped as soon as its *sampled*
+accuracy at temperature 1 reaches ``--target`` (0.3): GRPO then has groups with mixed rewards to learn from.
+The warm start stands in for pre-training, so it sees every problem; the held-out split is held out from RL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARACTERS = list("0123456789+-*/=.,:;!?()#$%'\" ") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+# Bump when the model or the warm start changes: cached models of older recipes are then rebuilt.
+RECIPE_VERSION = 3
+MODEL_SHAPE: dict[str, Any] = {
+    "hidden_size": 96,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+}
+
+
+def build_tokenizer() -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a token
+    tok.decoder = decoders.Fuse()  # ...and decoding joins them back without spaces
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def build_model(tokenizer: Any, seed: int = 0) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        num_key_value_heads=MODEL_SHAPE["num_attention_heads"],
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **MODEL_SHAPE,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def accuracy(model: Any, tokenizer: Any, problems: list[Any], *, greedy: bool, strict: bool = True) -> float:
+    """Fraction of completions (4 per problem when sampling at temperature 1, 1 when greedy) that are the answer
+    followed by end-of-sequence; with ``strict=False`` trailing spaces before end-of-sequence are forgiven."""
+    enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True, padding_side="left")
+    n = 1 if greedy else 4
+    with torch.no_grad():
+        out = model.generate(
+            **enc,
+            do_sample=not greedy,
+            temperature=None if greedy else 1.0,
+            top_k=None if greedy else 0,
+            top_p=None if greedy else 1.0,
+            num_return_sequences=n,
+            max_new_tokens=4,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    eos = tokenizer.eos_token_id
+    correct = 0
+    for i, ids in enumerate(out[:, enc.input_ids.shape[1] :].tolist()):
+        if eos in ids:
+            text = tokenizer.decode(ids[: ids.index(eos)])
+            correct += (text if strict else text.rstrip(" ")) == problems[i // n].reference
+    return correct / (n * len(problems))
+
+
+def warm_start(model: Any, tokenizer: Any, problems: list[Any], habit: float, seed: int = 0) -> dict[str, float]:
+    """Supervised training on ``prompt → answer[ ]<eos>`` until the answers themselves are learnt.
+
+    A fraction ``habit`` of the training answers end with a space before end-of-sequence, drawn afresh each step,
+    so the model learns the sums and, on purpose, a bad habit that the reward (exact answer, then end-of-sequence)
+    does not accept: sampling at temperature 1 it scores about ``1 − habit``, and greedily about 0, because the space
+    is its likeliest ending. The habit belongs to no particular problem, so what RL does about it on the training
+    prompts carries over to held-out ones; that is what ``eval/accuracy`` measures.
+    """
+    torch.manual_seed(seed)
+    rng = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    space = tokenizer.convert_tokens_to_ids(" ")
+    prompt_len = [len(tokenizer(p.prompt).input_ids) for p in problems]
+    answers = [tokenizer(p.reference, add_special_tokens=False).input_ids for p in problems]
+    width = max(pl + len(a) for pl, a in zip(prompt_len, answers, strict=True)) + 2
+    t0 = time.perf_counter()
+    step = 0
+    answered = 0.0
+    while step < 3000:
+        spaced = torch.rand(len(problems), generator=rng) < habit
+        ids = torch.full((len(problems), width), tokenizer.pad_token_id)
+        labels = torch.full_like(ids, -100)  # loss on the answer and its ending only: prompts are random digits
+        for i, p in enumerate(problems):
+            row = tokenizer(p.prompt).input_ids + answers[i] + ([space] if spaced[i] else []) + [tokenizer.eos_token_id]
+            ids[i, : len(row)] = torch.tensor(row)
+            labels[i, prompt_len[i] : len(row)] = ids[i, prompt_len[i] : len(row)]
+        model.train()
+        loss = model(
+            input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id), labels=labels
+        ).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        if step % 10 == 0:
+            model.eval()
+            answered = accuracy(model, tokenizer, problems, greedy=True, strict=False)
+            if answered >= 0.99:
+                break
+    model.eval()
+    return {
+        "steps": step,
+        "seconds": time.perf_counter() - t0,
+        "habit": habit,
+        "greedy_answer_accuracy": answered,
+        "sampled_accuracy": accuracy(model, tokenizer, problems, greedy=False),
+        "greedy_accuracy": accuracy(model, tokenizer, problems, greedy=True),
+    }
+
+
+def make_tiny_model(
+    directory: str | Path, *, warm: bool = True, habit: float = 0.7, seed: int = 0, eval_size: int = 20
+) -> dict:
+    """Build, optionally warm-start, and save the demo model; returns what the warm start measured.
+
+    Written under a temporary name and renamed, so a concurrent reader never sees half a model."""
+    from common.tasks import AdditionTask
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed)
+    report: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters()), "seed": seed}
+    if warm:
+        report |= warm_start(model, tokenizer, AdditionTask(eval_size, seed).all, habit, seed)
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f".{directory.name}.{uuid.uuid4().hex[:8]}.tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "warm_start.json").write_text(json.dumps(report, indent=2) + "\n")
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.rename(tmp, directory)
+    return report
+
+
+def cache_dir() -> Path:
+    """``$GRPO_CACHE_DIR``, else ``$XDG_CACHE_HOME/grpo-pipeline``, else ``~/.cache/grpo-pipeline``."""
+    if os.environ.get("GRPO_CACHE_DIR"):
+        return Path(os.environ["GRPO_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo-pipeline"
+
+
+def ensure_tiny_model(seed: int = 0, eval_size: int = 20) -> Path:
+    """The demo model for ``run.seed``, built on first use and reused after (it is deterministic)."""
+    directory = cache_dir() / f"tiny-addition-seed{seed}-eval{eval_size}-v{RECIPE_VERSION}"
+    if (directory / "config.json").is_file():
+        return directory
+    log.info("building the tiny demo model in %s (first use only)", directory)
+    tmp_parent = directory.parent
+    tmp_parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_parent / f".build-{uuid.uuid4().hex[:8]}"
+    report = make_tiny_model(tmp, seed=seed, eval_size=eval_size)
+    try:
+        os.rename(tmp, directory)
+    except OSError:  # built concurrently by another run: theirs is the same model
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info(
+        "tiny model: %s", ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
+    )
+    return directory
+
+
+def main(argv: list[str] | None = None) -> int:
+    from common.log import setup_logging
+
+    p = argparse.ArgumentParser(prog="grpo make-tiny-model", description=__doc__.splitlines()[0])
+    p.add_argument("dir", help="directory to write (replaced if it exists)")
+    p.add_argument("--no-warm-start", action="store_true", help="save the random initialisation")
+    p.add_argument("--habit", type=float, default=0.7, help="fraction of warm-start answers ending with a space")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    setup_logging("make-tiny-model")
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    report = make_tiny_model(args.dir, warm=not args.no_warm_start, habit=args.habit, seed=args.seed)
+    print(
+        f"wrote {args.dir}: "
+        + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items()),
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,358 @@
+"""The Redis side of the pipeline: key names, the groups stream, dead letters, weights announcements, counters.
+
+Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a run's keys share one slot):
+
+=====================  ==========  ======================================================================
+``groups``             stream      scored groups, consumer group ``learners``; field ``data`` = msgpack
+``dead``               stream      rejected messages: ``reason``, ``payload`` (raw bytes), ``source_id``
+``weights:latest``     hash        ``version``, ``uri``, ``sha256``, ``format``, ``published_at``
+``weights``            channel     pub/sub: the new version number, published with the hash update
+``prompts:cursor``     counter     shared by actors so replicas do not repeat prompts
+``actors:<id>``        string+TTL  heartbeat (JSON: version, pid, groups sent)
+``stats``              hash        durable counters, see below
+``done``               string      set by the learner after its last step; actors exit when they see it
+=====================  ==========  ======================================================================
+
+Accounting. Every counter in ``stats`` is bumped in the same MULTI/EXEC transaction as the stream operation it
+counts, so a crash can never separate the two:
+
+    groups_produced = groups_trained + Σ groups_dropped:<reason> + groups_dead + XLEN(groups)
+
+The learner deletes (XDEL) each entry in the transaction that acknowledges it, so the stream only ever holds
+groups that are unread or pending; actors bound it with backpressure, never with MAXLEN (trimming could drop a
+group nobody has trained on). Groups an actor filters out never enter the stream and are counted apart as
+``groups_filtered:<reason>``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from common.config import RedisConfig
+from common.schemas import WeightsAnnouncement
+
+log = logging.getLogger(__name__)
+
+CONSUMER_GROUP = "learners"
+T = TypeVar("T")
+
+
+class TransportError(RuntimeError):
+    """Redis could not be reached (after the configured retries) or refused us; the message says which."""
+
+
+class Keys:
+    """Key names of one run (the contract of DESIGN §4)."""
+
+    def __init__(self, run: str):
+        self.prefix = f"grpo:{{{run}}}:"
+        self.groups = self.prefix + "groups"
+        self.dead = self.prefix + "dead"
+        self.weights_latest = self.prefix + "weights:latest"
+        self.weights_channel = self.prefix + "weights"
+        self.prompts_cursor = self.prefix + "prompts:cursor"
+        self.stats = self.prefix + "stats"
+        self.done = self.prefix + "done"
+
+    def actor(self, actor_id: str) -> str:
+        return f"{self.prefix}actors:{actor_id}"
+
+
+@dataclass(frozen=True)
+class StreamEntry:
+    id: str
+    fields: dict[bytes, bytes]
+
+    @property
+    def payload(self) -> bytes | None:
+        return self.fields.get(b"data")
+
+
+class _LoggingRetry(Retry):
+    """redis-py's bounded retry with backoff, logging ``attempt i/n`` and counting reconnects."""
+
+    def __init__(self, retries: int, on_retry: Callable[[], None]):
+        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), retries)
+        self._on_retry = on_retry
+
+    def call_with_retry(self, do, fail, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        attempt = 0
+
+        def failed(error: Exception) -> None:
+            nonlocal attempt
+            attempt += 1
+            log.warning("redis: %s; attempt %d/%d", error, attempt, self._retries)
+            self._on_retry()
+            fail(error)
+
+        return super().call_with_retry(do, failed, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _LoggingRetry:
+        # redis-py copies the retry policy into every connection; ours holds a metrics callback (with a lock) that
+        # must be shared, and the policy itself has no per-connection state.
+        return self
+
+
+class Transport:
+    """One process's connection to a run's keys. Thin: every method is one Redis round trip (or one transaction)."""
+
+    def __init__(
+        self,
+        cfg: RedisConfig,
+        run: str,
+        *,
+        on_error: Callable[[], None] = lambda: None,
+        on_reconnect: Callable[[], None] = lambda: None,
+    ):
+        if not cfg.url:
+            raise TransportError("redis.url is empty: set it (or GRPO_REDIS_URL), or use `grpo run`")
+        self.keys = Keys(run)
+        self._cfg = cfg
+        self._on_error = on_error
+        password = cfg.password.get_secret_value() if cfg.password else None
+        try:
+            self.client = redis.Redis.from_url(
+                cfg.url,
+                password=password,
+                socket_timeout=cfg.socket_timeout_s,
+                socket_connect_timeout=min(cfg.socket_timeout_s, 10.0),
+                health_check_interval=30,
+                retry=_LoggingRetry(cfg.retries, on_reconnect),
+                retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            )
+        except ValueError as e:
+            raise TransportError(f"redis.url {cfg.url!r}: {e}") from None
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+
+    def _do(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except redis.RedisError:
+            self._on_error()
+            raise
+
+    def ping(self) -> None:
+        """Raise :class:`TransportError` with a readable reason when the server cannot be used."""
+        try:
+            self._do(self.client.ping)
+        except redis.AuthenticationError as e:
+            raise TransportError(f"redis at {self.safe_url}: authentication failed ({e})") from None
+        except redis.RedisError as e:
+            raise TransportError(f"redis at {self.safe_url} is unreachable: {e}") from None
+
+    @property
+    def safe_url(self) -> str:
+        from common.config import mask_url
+
+        return mask_url(self._cfg.url)
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- groups stream: actors --------------------------------------------------------------------------------
+
+    def produce(self, payloads: list[bytes], counters: dict[str, int] | None = None) -> list[str]:
+        """XADD groups and count them as produced, in one transaction: all of them or none.
+
+        ``counters`` are other ``stats`` increments of the same round, such as ``groups_filtered:zero_std`` for
+        groups that were sampled and not sent (they never enter the stream)."""
+        counters = {k: n for k, n in (counters or {}).items() if n}
+        if not payloads and not counters:
+            return []
+        pipe = self.client.pipeline(transaction=True)
+        for payload in payloads:
+            pipe.xadd(self.keys.groups, {"data": payload})
+        if payloads:
+            pipe.hincrby(self.keys.stats, "groups_produced", len(payloads))
+        for name, n in counters.items():
+            pipe.hincrby(self.keys.stats, name, n)
+        replies = self._do(pipe.execute)
+        return [_text(i) for i in replies[: len(payloads)]]
+
+    def count(self, name: str, n: int = 1) -> None:
+        """A stats counter that counts an event, not a stream operation (e.g. resample-limit hits)."""
+        self._do(lambda: self.client.hincrby(self.keys.stats, name, n))
+
+    def stream_length(self) -> int:
+        return int(self._do(lambda: self.client.xlen(self.keys.groups)))
+
+    def next_prompts(self, k: int) -> range:
+        """Claim ``k`` consecutive prompt positions from the shared cursor (positions, not dataset indices)."""
+        end = int(self._do(lambda: self.client.incrby(self.keys.prompts_cursor, k)))
+        return range(end - k, end)
+
+    def heartbeat(self, actor_id: str, ttl_s: float, info: dict[str, Any]) -> None:
+        body = json.dumps({"pid": os.getpid(), "at": time.time(), **info})
+        self._do(lambda: self.client.set(self.keys.actor(actor_id), body, px=max(1, int(ttl_s * 1000))))
+
+    def live_actors(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for key in self._do(lambda: list(self.client.scan_iter(match=self.keys.actor("*"), count=100))):
+            raw = self.client.get(key)
+            if raw is not None:
+                out[_text(key).rsplit(":", 1)[-1]] = json.loads(raw)
+        return out
+
+    # -- groups stream: learner -------------------------------------------------------------------------------
+
+    def ensure_consumer_group(self) -> None:
+        """Create the stream and the ``learners`` group, reading from the very first entry (id 0): groups that
+        actors XADD before the learner first starts are trained, not skipped."""
+        try:
+            self._do(lambda: self.client.xgroup_create(self.keys.groups, CONSUMER_GROUP, id="0", mkstream=True))
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def read(self, consumer: str, count: int, block_ms: int) -> list[StreamEntry]:
+        """New entries for this consumer (XREADGROUP ... >); they stay pending until acked or dead-lettered."""
+        reply: Any = self._do(
+            lambda: self.client.xreadgroup(
+                CONSUMER_GROUP, consumer, {self.keys.groups: ">"}, count=count, block=block_ms
+            )
+        )
+        return [StreamEntry(_text(i), f) for _stream, entries in reply or [] for i, f in entries]
+
+    def claim_pending(self, consumer: str, min_idle_ms: int = 0) -> list[StreamEntry]:
+        """Take over entries another (dead) learner read but never acked (XAUTOCLAIM), oldest first."""
+        out: list[StreamEntry] = []
+        start = "0-0"
+        while True:
+            reply: Any = self._do(
+                lambda s=start: self.client.xautoclaim(  # type: ignore[misc]
+                    self.keys.groups, CONSUMER_GROUP, consumer, min_idle_ms, start_id=s, count=256
+                )
+            )
+            start, entries = _text(reply[0]), reply[1]
+            out.extend(StreamEntry(_text(i), f) for i, f in entries if f is not None)
+            if start == "0-0":
+                return out
+
+    def _settle(self, ids: list[str], counter: str) -> None:
+        if not ids:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(self.keys.groups, CONSUMER_GROUP, *ids)
+        pipe.xdel(self.keys.groups, *ids)
+        pipe.hincrby(self.keys.stats, counter, len(ids))
+        self._do(pipe.execute)
+
+    def ack_trained(self, ids: list[str]) -> None:
+        """After the optimizer step that used them: XACK + XDEL + groups_trained, in one transaction."""
+        self._settle(ids, "groups_trained")
+
+    def drop(self, ids: list[str], reason: str) -> None:
+        """Groups the learner refuses (e.g. too stale): XACK + XDEL + groups_dropped:<reason>, in one transaction."""
+        self._settle(ids, f"groups_dropped:{reason}")
+
+    def dead_letter(self, entry: StreamEntry, reason: str) -> None:
+        """Move a message that failed to decode or validate to the ``dead`` stream, with its reason and raw bytes."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(
+            self.keys.dead,
+            {
+                "reason": reason[:1000],
+                "payload": entry.payload if entry.payload is not None else b"",
+                "source_id": entry.id,
+                "at": repr(time.time()),
+            },
+        )
+        pipe.xack(self.keys.groups, CONSUMER_GROUP, entry.id)
+        pipe.xdel(self.keys.groups, entry.id)
+        pipe.hincrby(self.keys.stats, "groups_dead", 1)
+        self._do(pipe.execute)
+
+    def pending_count(self) -> int:
+        info = self._do(lambda: self.client.xpending(self.keys.groups, CONSUMER_GROUP))
+        return int(info["pending"]) if info else 0
+
+    # -- weights ----------------------------------------------------------------------------------------------
+
+    def announce_weights(self, ann: WeightsAnnouncement) -> None:
+        """Update ``weights:latest`` and publish the version on the ``weights`` channel, atomically."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.weights_latest, mapping=cast(Any, ann.to_hash()))
+        pipe.publish(self.keys.weights_channel, str(ann.version))
+        self._do(pipe.execute)
+
+    def latest_weights(self) -> WeightsAnnouncement | None:
+        h = self._do(lambda: self.client.hgetall(self.keys.weights_latest))
+        return WeightsAnnouncement.from_hash(h) if h else None
+
+    def subscribe_weights(self) -> redis.client.PubSub:
+        ps = self.client.pubsub(ignore_subscribe_messages=True)
+        ps.subscribe(self.keys.weights_channel)
+        return ps
+
+    # -- run state and counters -------------------------------------------------------------------------------
+
+    def mark_done(self) -> None:
+        self._do(lambda: self.client.set(self.keys.done, repr(time.time())))
+
+    def is_done(self) -> bool:
+        return bool(self._do(lambda: self.client.exists(self.keys.done)))
+
+    def stats(self) -> dict[str, int]:
+        return {_text(k): int(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.stats)).items()}
+
+    def delete_run(self) -> None:
+        """Remove every key of this run (used before a fresh run under a reused name)."""
+        keys: Iterable[bytes] = list(self.client.scan_iter(match=self.keys.prefix + "*", count=500))
+        if keys:
+            self._do(lambda: self.client.delete(*keys))
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+@dataclass(frozen=True)
+class Balance:
+    """The accounting equation of DESIGN §4, read from Redis alone."""
+
+    produced: int
+    trained: int
+    dropped: dict[str, int]
+    dead: int
+    in_stream: int  # unread + pending (acked entries are deleted)
+    filtered: dict[str, int]
+
+    @property
+    def unexplained(self) -> int:
+        return self.produced - self.trained - sum(self.dropped.values()) - self.dead - self.in_stream
+
+    def equation(self) -> str:
+        dropped = sum(self.dropped.values())
+        ok = "balanced" if self.unexplained == 0 else f"UNEXPLAINED {self.unexplained}"
+        return (
+            f"produced {self.produced} = trained {self.trained} + dropped {dropped} + dead {self.dead}"
+            f" + in stream {self.in_stream}  ({ok})"
+        )
+
+
+def read_balance(t: Transport) -> Balance:
+    # One transaction, so the counters and the stream length are read at the same instant.
+    pipe = t.client.pipeline(transaction=True)
+    pipe.hgetall(t.keys.stats)
+    pipe.xlen(t.keys.groups)
+    raw, xlen = t._do(pipe.execute)
+    s = {_text(k): int(v) for k, v in raw.items()}
+    return Balance(
+        produced=s.get("groups_produced", 0),
+        trained=s.get("groups_trained", 0),
+        dropped={k.split(":", 1)[1]: v for k, v in s.items() if k.startswith("groups_dropped:")},
+        dead=s.get("groups_dead", 0),
+        in_stream=int(xlen),
+        filtered={k.split(":", 1)[1]: v for k, v in s.items() if k.startswith("groups_filtered:")},
+    )

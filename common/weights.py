@@ -1,0 +1,116 @@
+"""The weight store: one HF-format safetensors directory per policy version, on a volume learner and actors share.
+
+Layout: ``<weights.dir>/v000012/`` holds ``config.json``, ``model.safetensors`` (or shards), tokenizer files, and
+``sha256`` (the digest announced in ``weights:latest``). A version is written under a temporary name and renamed
+into place, so a reader sees either nothing or the whole directory; only the newest ``keep`` versions stay.
+The digest covers every ``*.safetensors`` file in name order; actors check it before loading.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from common.schemas import WeightsAnnouncement
+
+log = logging.getLogger(__name__)
+
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+
+
+class WeightsError(RuntimeError):
+    """A published version is missing, incomplete, or does not match its digest."""
+
+
+def version_dir(root: str | os.PathLike[str], version: int) -> Path:
+    return Path(root) / f"v{version:06d}"
+
+
+def digest(directory: str | os.PathLike[str]) -> tuple[str, int]:
+    """sha256 over every ``*.safetensors`` file in name order, and their total size in bytes."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{directory}: no *.safetensors files")
+    h = hashlib.sha256()
+    total = 0
+    for f in files:
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+                total += len(chunk)
+    return h.hexdigest(), total
+
+
+@dataclass(frozen=True)
+class Published:
+    announcement: WeightsAnnouncement
+    nbytes: int
+    seconds: float
+
+
+def publish(model: Any, tokenizer: Any, root: str | os.PathLike[str], version: int, keep: int) -> Published:
+    """Write ``version`` atomically and prune old versions. The caller announces it (see Transport)."""
+    t0 = time.perf_counter()
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-v{version:06d}-{uuid.uuid4().hex[:8]}"
+    try:
+        model.save_pretrained(tmp, safe_serialization=True, max_shard_size="50GB")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        sha, nbytes = digest(tmp)
+        (tmp / "sha256").write_text(sha + "\n")
+        final = version_dir(root, version)
+        if final.exists():  # a version re-published after a resume replaces the old copy
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    prune(root, keep)
+    ann = WeightsAnnouncement(version=version, uri=str(final), sha256=sha)
+    return Published(ann, nbytes, time.perf_counter() - t0)
+
+
+def prune(root: str | os.PathLike[str], keep: int) -> None:
+    versions = sorted(
+        (int(m.group(1)), p) for p in Path(root).iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()
+    )
+    for _v, path in versions[:-keep] if keep > 0 else versions:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load_state_dict(ann: WeightsAnnouncement) -> tuple[dict[str, torch.Tensor], int]:
+    """Read a published version after checking its digest. Returns the tensors and the bytes read."""
+    directory = Path(ann.uri)
+    if not directory.is_dir():
+        raise WeightsError(f"weights v{ann.version}: {directory} does not exist (pruned or not shared?)")
+    sha, nbytes = digest(directory)
+    if sha != ann.sha256:
+        raise WeightsError(f"weights v{ann.version}: sha256 {sha[:12]}… does not match announced {ann.sha256[:12]}…")
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(f))
+    return state, nbytes
+
+
+def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy tensors into a model of the same architecture; only tied parameters may be absent from the file."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    tied |= {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise WeightsError(
+            f"weights do not fit the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
+        )

@@ -1,0 +1,223 @@
+"""Grading untrusted model output with a time limit per answer.
+
+With ``isolation="process"`` (the default) graders run in a worker process (``python -m grader.worker NAME``) that
+talks msgpack frames over its stdin/stdout. The parent waits at most ``timeout_s`` for each answer's score; when an
+answer hangs the worker (a pathological expression handed to sympy, say), the worker is killed and restarted, that
+answer scores 0, and the remaining answers are sent again. A grader that raises, returns something that is not a
+number in [0, 1], or crashes its process also scores 0. Every such answer is counted by kind: ``timeout``,
+``exception``, ``invalid``, ``crash``.
+
+``isolation="inline"`` calls the grader in-process (no time limit: for trusted, fast graders and unit tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import select
+import struct
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from common.generation import completion_text
+from common.procs import die_with_parent, stop_process
+from grader import get_grader
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct(">I")
+_STARTUP_TIMEOUT_S = 120.0
+
+
+def write_frame(stream: Any, obj: Any) -> None:
+    body = msgpack.packb(obj, use_bin_type=True)
+    stream.write(_HEADER.pack(len(body)) + body)
+    stream.flush()
+
+
+def read_frame_blocking(stream: Any) -> Any | None:
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    (n,) = _HEADER.unpack(header)
+    body = stream.read(n)
+    return msgpack.unpackb(body, raw=False) if len(body) == n else None
+
+
+def check_score(value: Any) -> float:
+    """A grader's return value as a reward, or ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"grader returned {value!r}, not a finite number")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"grader returned {value}, outside [0, 1]")
+    return float(value)
+
+
+def score_one(fn: Any, completion: str, reference: str) -> tuple[float, str | None]:
+    """(score, None), or (0.0, error kind) when the grader raises or returns a non-reward."""
+    try:
+        value = fn(completion, reference)
+    except Exception:
+        return 0.0, "exception"
+    try:
+        return check_score(value), None
+    except ValueError:
+        return 0.0, "invalid"
+
+
+@dataclass
+class GradeResult:
+    scores: list[float]
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+class _WorkerDied(Exception):
+    pass
+
+
+class _Worker:
+    """One grader process and the read side of its pipe."""
+
+    def __init__(self, name: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "grader.worker", name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            preexec_fn=die_with_parent,
+        )
+        self._buf = b""
+        ready = self.read(_STARTUP_TIMEOUT_S)
+        if ready != "ready":
+            self.kill()
+            raise RuntimeError(f"grader worker for {name!r} did not start: {ready!r}")
+
+    def send(self, obj: Any) -> None:
+        try:
+            write_frame(self.proc.stdin, obj)
+        except (BrokenPipeError, OSError) as e:
+            raise _WorkerDied(str(e)) from None
+
+    def read(self, timeout_s: float) -> Any:
+        """The next frame, or TimeoutError, or _WorkerDied at end of file."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if len(self._buf) >= _HEADER.size:
+                (n,) = _HEADER.unpack_from(self._buf)
+                if len(self._buf) >= _HEADER.size + n:
+                    body = self._buf[_HEADER.size : _HEADER.size + n]
+                    self._buf = self._buf[_HEADER.size + n :]
+                    return msgpack.unpackb(body, raw=False)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            readable, _, _ = select.select([fd], [], [], remaining)
+            if readable:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise _WorkerDied(f"exit code {self.proc.wait()}")
+                self._buf += chunk
+
+    def kill(self) -> None:
+        stop_process(self.proc, grace_s=0.5, name="grader worker")
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+class GraderPool:
+    """Grades (completion, reference) pairs; see the module docstring. Not thread-safe: one per actor loop."""
+
+    def __init__(self, name: str, timeout_s: float = 5.0, isolation: str = "process"):
+        self.name = name
+        self.timeout_s = timeout_s
+        self.isolation = isolation
+        self._fn = get_grader(name)  # fails fast on an unknown name, in the caller's process
+        self._worker: _Worker | None = None
+        if isolation == "process":
+            self._worker = _Worker(name)
+        elif isolation != "inline":
+            raise ValueError(f"isolation must be process or inline, not {isolation!r}")
+
+    def grade(self, pairs: list[tuple[str, str]]) -> GradeResult:
+        if self.isolation == "inline":
+            return self._grade_inline(pairs)
+        result = GradeResult([0.0] * len(pairs))
+        start = 0
+        while start < len(pairs):
+            start = self._grade_from(pairs, start, result)
+        return result
+
+    def _grade_inline(self, pairs: list[tuple[str, str]]) -> GradeResult:
+        result = GradeResult([0.0] * len(pairs))
+        for i, (completion, reference) in enumerate(pairs):
+            result.scores[i], kind = score_one(self._fn, completion, reference)
+            if kind:
+                result.errors[kind] += 1
+        return result
+
+    def _grade_from(self, pairs: list[tuple[str, str]], start: int, result: GradeResult) -> int:
+        """Send pairs[start:], collect scores; returns where to resume after a lost worker (len(pairs) when done)."""
+        if self._worker is None:
+            self._worker = _Worker(self.name)
+        worker = self._worker
+        i = start
+        try:
+            worker.send([[c, r] for c, r in pairs[start:]])
+            while i < len(pairs):
+                index, score, kind = worker.read(self.timeout_s)
+                if index != i - start:
+                    raise _WorkerDied(f"out-of-order reply {index} for {i - start}")
+                result.scores[i] = float(score)
+                if kind:
+                    result.errors[kind] += 1
+                i += 1
+            return i
+        except TimeoutError:
+            kind = "timeout"
+        except _WorkerDied as e:
+            log.warning("grader worker died (%s); restarting it", e)
+            kind = "crash"
+        # The answer being graded when the worker was lost scores 0; the rest are sent to a fresh worker.
+        worker.kill()
+        self._worker = None
+        result.scores[i] = 0.0
+        result.errors[kind] += 1
+        return i + 1
+
+    def grade_samples(
+        self, tokenizer: Any, samples: list[Any], references: list[str], *, require_stop: bool
+    ) -> GradeResult:
+        """Rewards of generated samples (``common.generation.Sample``): the grader sees the completion's text without
+        its stop token, and with ``require_stop`` a completion cut off at the length limit scores 0 (it never
+        finished its answer)."""
+        result = self.grade(
+            [
+                (completion_text(tokenizer, s.token_ids, s.finish_reason), ref)
+                for s, ref in zip(samples, references, strict=True)
+            ]
+        )
+        if require_stop:
+            result.scores = [
+                0.0 if s.finish_reason != "stop" else r for s, r in zip(samples, result.scores, strict=True)
+            ]
+        return result
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.kill()
+            self._worker = None
+
+    def __enter__(self) -> GraderPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

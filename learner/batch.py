@@ -1,0 +1,85 @@
+"""Pure assembly of training tensors from group messages, and the step's reward statistics.
+
+Layout: row i is ``prompt + completion`` right-padded to the longest row, so position ids are 0..L−1 for real tokens
+as in generation. Everything per token lives in the shifted space (B, L−1): entry t is the log-prob of token t+1
+given tokens ≤ t, and ``loss_mask`` marks the completion tokens (the prompt is never trained on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.schemas import GroupMessage
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: torch.Tensor  # (B, L) long
+    attention_mask: torch.Tensor  # (B, L) long
+    loss_mask: torch.Tensor  # (B, L-1) float: 1 where the target is a completion token
+    behaviour_logprobs: torch.Tensor  # (B, L-1) float32, 0 outside the mask
+    rewards: torch.Tensor  # (B,) float32, group-contiguous
+    group_size: int
+    staleness: torch.Tensor  # (G,) long: learner version − policy version, per group
+    truncated: torch.Tensor  # (B,) bool: finish reason "length"
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.loss_mask.sum(dim=1)
+
+
+def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> Batch:
+    if not groups:
+        raise ValueError("an empty batch")
+    group_size = len(groups[0].completions)
+    if any(len(g.completions) != group_size for g in groups):
+        raise ValueError("every group of a batch must have the same size")
+    rows = [(g.prompt_ids, c) for g in groups for c in g.completions]
+    width = max(len(p) + len(c.token_ids) for p, c in rows)
+    b = len(rows)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, width), dtype=torch.long)
+    mask = torch.zeros((b, width - 1), dtype=torch.float32)
+    behaviour = torch.zeros((b, width - 1), dtype=torch.float32)
+    for i, (prompt, c) in enumerate(rows):
+        p, n = len(prompt), len(c.token_ids)
+        input_ids[i, :p] = torch.from_numpy(prompt.astype(np.int64))
+        input_ids[i, p : p + n] = torch.from_numpy(c.token_ids.astype(np.int64))
+        attention[i, : p + n] = 1
+        # Token p+j is predicted at shifted position p+j−1.
+        mask[i, p - 1 : p - 1 + n] = 1.0
+        behaviour[i, p - 1 : p - 1 + n] = torch.from_numpy(c.logprobs.astype(np.float32))
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        loss_mask=mask,
+        behaviour_logprobs=behaviour,
+        rewards=torch.tensor([c.reward for _, c in rows], dtype=torch.float32),
+        group_size=group_size,
+        staleness=torch.tensor([learner_version - g.policy_version for g in groups], dtype=torch.long),
+        truncated=torch.tensor([c.finish_reason == "length" for _, c in rows], dtype=torch.bool),
+    )
+
+
+def sampled_reward_stats(groups: list[GroupMessage]) -> dict[str, float]:
+    """``reward``, ``reward_std``, ``frac_reward_zero_std`` over everything the actors sampled for these groups —
+    the groups themselves plus the filtered ones summarised in their ``filtered`` fields — and ``reward/trained``
+    over the groups alone. ``reward_std`` is the mean over groups of each group's population std (as TRL reports
+    it, before any filtering)."""
+    rewards = [np.asarray(g.rewards, dtype=np.float64) for g in groups]
+    n_groups = len(groups) + sum(g.filtered.groups for g in groups)
+    n_completions = sum(len(r) for r in rewards) + sum(g.filtered.completions for g in groups)
+    reward_sum = sum(float(r.sum()) for r in rewards) + sum(g.filtered.reward_sum for g in groups)
+    std_sum = sum(float(r.std()) for r in rewards) + sum(g.filtered.reward_std_sum for g in groups)
+    zero_std = sum(int(r.max() == r.min()) for r in rewards) + sum(g.filtered.zero_std_groups for g in groups)
+    trained = np.concatenate(rewards)
+    return {
+        "reward": reward_sum / n_completions,
+        "reward_std": std_sum / n_groups,
+        "frac_reward_zero_std": zero_std / n_groups,
+        "reward/trained": float(trained.mean()),
+        "groups_sampled": float(n_groups),
+    }

@@ -1,0 +1,386 @@
+"""The learner: ``collect a batch → train → acknowledge → publish → evaluate → record``, until ``run.steps``.
+
+Policy versions: version v is the policy after v learner steps; version 0 is ``model.path``. Actors stamp each group
+with the version they sampled it with, and a group is trained at most ``max_staleness`` versions later.
+
+Departures from the textbook, each a config choice (see learner.loss for the loss itself):
+- old log-probs are by default the learner's own, computed without grad at the start of the step (AReaL's decoupled
+  PPO: the clip then bounds the move from the *current* policy, not from whichever stale copy an actor used), and
+  the behaviour policy is corrected for with the truncated importance weight min(π_prox / π_behaviour, C);
+- each batch is split into ``minibatches`` shuffled parts with one AdamW step each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from common.config import Config, check_model_path, write_resolved
+from common.generation import generate, stop_token_ids
+from common.grpo import group_advantages, token_logprobs
+from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
+from common.models import load_pretrained
+from common.schemas import GroupMessage, SchemaError, decode_group
+from common.tasks import make_task
+from common.transport import StreamEntry, Transport
+from common.weights import publish
+from grader.pool import GraderPool
+from learner.batch import Batch, assemble, sampled_reward_stats
+from learner.loss import grpo_loss
+
+log = logging.getLogger("learner")
+
+
+@dataclass
+class Collected:
+    ids: list[str]
+    groups: list[GroupMessage]
+    wait_s: float
+
+
+class Learner:
+    def __init__(
+        self,
+        cfg: Config,
+        transport: Transport,
+        model: Any,
+        tokenizer: Any,
+        grader: GraderPool,
+        metrics: LearnerMetrics,
+    ):
+        self.cfg = cfg
+        self.transport = transport
+        self.model = model
+        self.tokenizer = tokenizer
+        self.grader = grader
+        self.metrics = metrics
+        self.task = make_task(cfg.task.name, cfg.task.eval_size, cfg.run.seed)
+        lc = cfg.learner
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else min(self.stop_ids))
+        self.consumer = f"learner-{socket.gethostname()}-{os.getpid()}"
+        self.version = 0
+        self.step = 0
+        self.groups_consumed = 0
+        self.dropped: Counter[str] = Counter()
+        self.dead = 0
+        self.stop = threading.Event()
+        self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
+        self._generator = torch.Generator().manual_seed(cfg.run.seed)
+        self._started = time.perf_counter()
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.transport.ensure_consumer_group()
+        self.publish()  # actors align with the version the learner starts from
+        self.record({"step": 0, "policy_version": self.version, **self.evaluate()})
+        steps = self.cfg.run.steps
+        last = time.perf_counter()
+        while self.step < steps:
+            batch = self.collect()
+            if batch is None:
+                log.info("stopping at step %d of %d (asked to stop)", self.step, steps)
+                return 0
+            t_train = time.perf_counter()
+            stats = self.train(batch.groups)
+            self.transport.ack_trained(batch.ids)  # only now: the optimizer step that used them is done
+            self.groups_consumed += len(batch.ids)
+            self.step += 1
+            self.version = self.step
+            stats["time/train_s"] = time.perf_counter() - t_train
+            if self.step % self.cfg.learner.publish_every == 0 or self.step == steps:
+                stats |= self.publish()
+            if self.step % self.cfg.learner.eval_every == 0 or self.step == steps:
+                stats |= self.evaluate()
+            now = time.perf_counter()
+            stats |= {"time/step_s": now - last, "time/wait_s": batch.wait_s}
+            last = now
+            self.record(self.describe(stats))
+        self.transport.mark_done()
+        log.info(
+            "finished %d steps in %.1fs; %d groups trained",
+            steps,
+            time.perf_counter() - self._started,
+            self.groups_consumed,
+        )
+        return 0
+
+    # -- steps --------------------------------------------------------------------------------------------------
+
+    def collect(self) -> Collected | None:
+        """Read until ``batch_groups`` usable groups: a message that fails to decode is dead-lettered, a group too
+        far behind (or ahead of) the learner's version is dropped, both counted in Redis with their reason."""
+        want = self.cfg.learner.batch_groups
+        ids: list[str] = []
+        groups: list[GroupMessage] = []
+        t0 = time.perf_counter()
+        next_notice = t0 + 30
+        while len(groups) < want:
+            if self.stop.is_set():
+                return None
+            entries = self.transport.read(self.consumer, want - len(groups), self.cfg.learner.read_block_ms)
+            drops: dict[str, list[str]] = {}
+            for entry in entries:
+                msg = self.decode(entry)
+                if msg is None:
+                    continue
+                reason = self.refusal(msg)
+                if reason:
+                    drops.setdefault(reason, []).append(entry.id)
+                else:
+                    ids.append(entry.id)
+                    groups.append(msg)
+            for reason, dropped in drops.items():
+                self.transport.drop(dropped, reason)
+                self.dropped[reason] += len(dropped)
+                self.metrics.groups_dropped.labels(reason).inc(len(dropped))
+            if time.perf_counter() > next_notice:
+                next_notice += 30
+                log.info("waiting for groups: %d of %d after %.0fs", len(groups), want, time.perf_counter() - t0)
+        return Collected(ids, groups, time.perf_counter() - t0)
+
+    def decode(self, entry: StreamEntry) -> GroupMessage | None:
+        try:
+            if entry.payload is None:
+                raise SchemaError("stream entry has no 'data' field")
+            return decode_group(entry.payload)
+        except SchemaError as e:
+            log.warning("dead-lettering %s: %s", entry.id, e)
+            self.transport.dead_letter(entry, str(e))
+            self.dead += 1
+            self.metrics.groups_dead.inc()
+            return None
+
+    def refusal(self, msg: GroupMessage) -> str | None:
+        """Why a valid group cannot be trained on now, or None."""
+        if len(msg.completions) != self.cfg.actor.group_size:
+            return "group_size"
+        staleness = self.version - msg.policy_version
+        # Too old: the importance ratio against a policy this far behind is no longer a small correction.
+        if staleness > self.cfg.learner.max_staleness:
+            return "stale"
+        # From a version this learner has not reached (a learner restarted without its checkpoint).
+        if staleness < 0:
+            return "future"
+        return None
+
+    def train(self, groups: list[GroupMessage]) -> dict[str, float]:
+        lc, temp = self.cfg.learner, self.cfg.sampling.temperature
+        batch = assemble(groups, self.pad_id, self.version)
+        rewards = batch.rewards
+        if self.cfg.run.shuffle_rewards:  # the control experiment: rewards no longer belong to their completions
+            rewards = rewards[torch.randperm(len(rewards), generator=self._generator)]
+        adv = group_advantages(
+            rewards, batch.group_size, scale=lc.advantage.scale, ddof=lc.advantage.ddof, eps=lc.advantage.eps
+        ).float()
+        self.model.train()
+        prox, entropy = self._proximal(batch, temp)
+        mask = batch.loss_mask
+        log_ratio_behaviour = (prox - batch.behaviour_logprobs) * mask
+        if lc.old_logprobs == "proximal":
+            old = prox
+            # Truncated importance sampling: the tokens were sampled by the behaviour policy, not the proximal one.
+            is_weights = torch.clamp(torch.exp(log_ratio_behaviour), max=lc.tis_cap)
+        else:
+            old, is_weights = batch.behaviour_logprobs, None
+
+        sums: Counter[str] = Counter()
+        order = torch.randperm(len(rewards), generator=self._generator)
+        chunks = [c for c in order.chunk(lc.minibatches) if len(c)]
+        for rows in chunks:
+            logits = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits
+            logprobs = token_logprobs(logits[:, :-1], batch.input_ids[rows, 1:], temp)
+            loss, m = grpo_loss(
+                logprobs,
+                old[rows],
+                adv[rows],
+                mask[rows],
+                loss_type=lc.loss_type,
+                epsilon_low=lc.epsilon_low,
+                epsilon_high=lc.epsilon_high,
+                beta=0.0,
+                max_completion_length=self.cfg.sampling.max_new_tokens,
+                is_weights=None if is_weights is None else is_weights[rows],
+                num_tokens=mask[rows].sum(),  # one optimizer step per mini-batch: its own token count
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip)
+            self.optimizer.step()
+            sums.update({"loss": loss.item(), "grad_norm": grad_norm.item(), **m})
+        self.model.eval()
+
+        n_tokens = mask.sum()
+        stats: dict[str, float] = {k: v / len(chunks) for k, v in sums.items()}
+        stats |= sampled_reward_stats(groups)
+        stats |= {
+            "entropy": float(entropy),
+            "completions/mean_length": float(batch.completion_lengths.mean()),
+            "completions/truncated_frac": float(batch.truncated.float().mean()),
+            "staleness/mean": float(batch.staleness.float().mean()),
+            "staleness/max": float(batch.staleness.max()),
+            "mismatch/logprob_abs_mean": float(log_ratio_behaviour.abs().sum() / n_tokens.clamp(min=1)),
+            "groups_forwarded_zero_std": float(sum(g.zero_std for g in groups)),
+            "tokens": float(n_tokens),
+        }
+        if is_weights is not None:
+            w = is_weights[mask > 0]
+            stats |= {
+                "is_weight/mean": float(w.mean()),
+                "is_weight/max": float(w.max()),
+                "is_weight/truncated_frac": float(
+                    (torch.exp(log_ratio_behaviour[mask > 0]) > lc.tis_cap).float().mean()
+                ),
+            }
+        return stats
+
+    @torch.no_grad()
+    def _proximal(self, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the batch under the current policy (no grad), and the mean token entropy."""
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+        logprobs = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        mask = batch.loss_mask
+        return logprobs * mask, (entropy * mask).sum() / mask.sum().clamp(min=1)
+
+    def publish(self) -> dict[str, float]:
+        wc = self.cfg.weights
+        pub = publish(self.model, self.tokenizer, wc.dir, self.version, wc.keep)
+        self.transport.announce_weights(pub.announcement)
+        self.metrics.publish_seconds.observe(pub.seconds)
+        self.metrics.publish_bytes.set(pub.nbytes)
+        return {"time/publish_s": pub.seconds}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out problems (never used as RL prompts), graded like the actors grade."""
+        problems = self.task.eval
+        prompts = [list(self.tokenizer(p.prompt).input_ids) for p in problems]
+        samples = generate(
+            self.model,
+            prompts,
+            n=1,
+            max_new_tokens=self.cfg.sampling.max_new_tokens,
+            stop_ids=self.stop_ids,
+            pad_id=self.pad_id,
+            temperature=None,
+        )
+        result = self.grader.grade_samples(
+            self.tokenizer,
+            [g[0] for g in samples],
+            [p.reference for p in problems],
+            require_stop=self.cfg.task.require_stop,
+        )
+        accuracy = sum(result.scores) / len(result.scores)
+        self.metrics.eval_accuracy.set(accuracy)
+        return {"eval/accuracy": accuracy}
+
+    def describe(self, stats: dict[str, float]) -> dict[str, Any]:
+        """The metrics.jsonl row of a step (DESIGN §4 keys first)."""
+        elapsed = time.perf_counter() - self._started
+        row: dict[str, Any] = {
+            "step": self.step,
+            "policy_version": self.version,
+            **{k: stats[k] for k in ("reward", "reward_std", "frac_reward_zero_std", "reward/trained")},
+            **{k: stats.get(k, 0.0) for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")},
+            "entropy": stats["entropy"],
+            "completions/mean_length": stats["completions/mean_length"],
+            "staleness/mean": stats["staleness/mean"],
+            "staleness/max": stats["staleness/max"],
+            "loss": stats["loss"],
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "groups_consumed": self.groups_consumed,
+            "groups_dropped": sum(self.dropped.values()),
+            "groups_dead": self.dead,
+            "time/step_s": stats["time/step_s"],
+            "time/elapsed_s": elapsed,
+            "groups_per_s": self.groups_consumed / elapsed,
+            "tokens_per_s": stats["tokens"] / max(stats["time/train_s"], 1e-9),
+        }
+        row |= {k: v for k, v in stats.items() if k not in row and k != "tokens"}
+        return row
+
+    def record(self, row: dict[str, Any]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        m = self.metrics
+        m.step.set(self.step)
+        m.policy_version.set(self.version)
+        if "reward" not in row:
+            return
+        m.reward.set(row["reward"])
+        m.reward_trained.set(row["reward/trained"])
+        m.frac_zero_std.set(row["frac_reward_zero_std"])
+        for region in ("low", "high", "region"):
+            m.clip_ratio.labels(region).set(row[f"clip_ratio/{region}_mean"])
+        m.entropy.set(row["entropy"])
+        m.staleness.labels("mean").set(row["staleness/mean"])
+        m.staleness.labels("max").set(row["staleness/max"])
+        m.loss.set(row["loss"])
+        m.lr.set(row["lr"])
+        m.tokens_per_s.set(row["tokens_per_s"])
+        m.step_seconds.observe(row["time/step_s"])
+        m.groups_consumed.inc(row["groups_consumed"] - m.groups_consumed._value.get())
+
+
+# -- the process ------------------------------------------------------------------------------------------------
+
+
+def run_learner(cfg: Config) -> int:
+    torch.set_num_threads(cfg.learner.torch_threads)
+    torch.manual_seed(cfg.run.seed)
+    check_model_path(cfg.model.path)
+    registry = CollectorRegistry()
+    metrics = LearnerMetrics(registry)
+    transport = Transport(cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc)
+    transport.ping()
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    write_resolved(cfg, Path(cfg.run.dir) / "config.json")
+    lc = cfg.learner
+    log.info(
+        "loss %s, eps %.2f/%.2f, lr %g, %d groups x %d per step; %s",
+        lc.loss_type,
+        lc.epsilon_low,
+        lc.epsilon_high,
+        lc.lr,
+        lc.batch_groups,
+        cfg.actor.group_size,
+        f"KL penalty beta={lc.beta}" if lc.beta > 0 else "KL penalty off (beta = 0): no reference model is loaded",
+    )
+
+    learner: Learner | None = None
+
+    def health() -> tuple[bool, dict]:
+        return True, {"role": "learner", "step": learner.step if learner else 0}
+
+    server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
+    register_endpoint(cfg.run.dir, "learner", "learner", server.url)
+    grader = GraderPool(cfg.grader.name, cfg.grader.timeout_s, cfg.grader.isolation)
+    try:
+        tokenizer, model = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)
+        learner = Learner(cfg, transport, model, tokenizer, grader, metrics)
+        stop = learner.stop
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        log.info("learner: %d steps, metrics %s, run dir %s", cfg.run.steps, server.url, cfg.run.dir)
+        return learner.run()
+    finally:
+        grader.close()
+        server.close()
+        transport.close()

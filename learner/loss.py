@@ -1,0 +1,111 @@
+"""The GRPO policy loss, as a pure function of tensors.
+
+Per token t of completion i (PPO's clipped surrogate, Schulman et al. 2017, with GRPO's group advantage A_i):
+
+    r_it   = exp(logp_it − old_logp_it)                               # 1 at the start of a step
+    L_it   = −min(r_it·A_i, clip(r_it, 1 − ε_low, 1 + ε_high)·A_i)     # ε_high > ε_low: DAPO's clip-higher
+    L_it  ← w_it · L_it                                               # truncated importance weights (off-policy)
+    L_it  ← L_it + β·(exp(ref_it − logp_it) − (ref_it − logp_it) − 1) # k3 KL estimator (DeepSeekMath), per token
+
+and the per-token losses are aggregated by ``loss_type`` — the one place GRPO, Dr. GRPO and DAPO differ:
+
+- ``grpo``   (DeepSeekMath): mean over each completion's tokens, then mean over completions. Every completion weighs
+  the same, so a long wrong answer spreads its penalty thin (the length bias Dr. GRPO points out).
+- ``bnpo``:  mean over all tokens of the micro-batch.
+- ``dr_grpo`` (Liu et al., 2025): sum ÷ (B × max_completion_length), a constant, so no length bias.
+- ``dapo``   (Yu et al., 2025): sum ÷ the token count of the whole optimizer step (``num_tokens``, summed across
+  gradient-accumulation micro-batches), so each token weighs the same whatever micro-batch it sits in.
+
+Metrics (token means over the mask): ``clip_ratio/low_mean`` (r < 1 − ε_low with A < 0: the clip stops a bad answer's
+probability from falling further), ``clip_ratio/high_mean`` (r > 1 + ε_high with A > 0), ``clip_ratio/region_mean``
+(either), and ``kl`` when β > 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def _grpo(per_token: torch.Tensor, mask: torch.Tensor, **_: object) -> torch.Tensor:
+    # Each completion's own length is its divisor (clamped: an all-masked row contributes 0, not NaN).
+    return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
+
+
+def _bnpo(per_token: torch.Tensor, mask: torch.Tensor, **_: object) -> torch.Tensor:
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _dr_grpo(per_token: torch.Tensor, mask: torch.Tensor, *, max_completion_length: int | None, **_: object):
+    # A constant divisor: the gradient of a token does not depend on how long its answer or batch is.
+    length = max_completion_length if max_completion_length is not None else mask.shape[1]
+    return (per_token * mask).sum() / (mask.shape[0] * length)
+
+
+def _dapo(per_token: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | torch.Tensor | None, **_: object):
+    # The optimizer step's token count, not this micro-batch's: accumulating k micro-batches must give the same
+    # gradient as one big batch, which a per-micro-batch mean would not when their token counts differ.
+    total = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=per_token.dtype)
+    return (per_token * mask).sum() / total.clamp(min=1.0)
+
+
+_AGGREGATE: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": _grpo,
+    "bnpo": _bnpo,
+    "dr_grpo": _dr_grpo,
+    "dapo": _dapo,
+}
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str = "dapo",
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.28,
+    beta: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    max_completion_length: int | None = None,
+    is_weights: torch.Tensor | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Shapes: (B, T) for every tensor except ``advantages`` (B,). Returns ``(loss, metrics)``."""
+    if loss_type not in _AGGREGATE:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs")
+    mask = mask.to(logprobs.dtype)
+    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+
+    ratio = torch.exp(logprobs - old_logprobs)
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
+    per_token = -surrogate
+    if is_weights is not None:
+        per_token = per_token * is_weights  # before the KL term: the KL penalty is not an off-policy estimate
+    kl = None
+    if beta > 0:
+        assert ref_logprobs is not None
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
+        per_token = per_token + beta * kl
+
+    loss = _AGGREGATE[loss_type](per_token, mask, max_completion_length=max_completion_length, num_tokens=num_tokens)
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1.0)
+        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
+        metrics = {
+            "clip_ratio/low_mean": float((low * mask).sum() / n),
+            "clip_ratio/high_mean": float((high * mask).sum() / n),
+            "clip_ratio/region_mean": float((torch.clamp(low + high, max=1.0) * mask).sum() / n),
+        }
+        if kl is not None:
+            metrics["kl"] = float((kl * mask).sum() / n)
+    return loss, metrics
