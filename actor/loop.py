@@ -28,7 +28,7 @@ from common.schemas import Completion, FilteredStats, GroupMessage, encode_group
 from common.tasks import Problem, make_task
 from common.transport import Transport
 from common.weights import WeightsError
-from grader.pool import GraderPool
+from grader.pool import GraderPool, open_grader
 
 log = logging.getLogger("actor")
 
@@ -231,9 +231,9 @@ def run_actor(cfg: Config) -> int:
     def health() -> tuple[bool, dict]:
         return True, {"role": "actor", "id": actor_id, "version": actor.engine.version if actor else None}
 
+    grader = open_grader(cfg.grader)
     server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
     register_endpoint(cfg.run.dir, "actor", actor_id, server.url)
-    grader = GraderPool(cfg.grader.name, cfg.grader.timeout_s, cfg.grader.isolation)
     try:
         engine = make_engine(cfg, seed=cfg.run.seed * 1_000_003 + os.getpid())
         actor = Actor(cfg, actor_id, transport, engine, grader, metrics)

@@ -84,7 +84,11 @@ class SamplingConfig(_Section):
 
 
 class GraderConfig(_Section):
-    name: Literal["addition", "exact", "gsm8k", "math"] = "addition"
+    name: str = Field(
+        "addition",
+        pattern=r"^(addition|exact|gsm8k|math|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
+        description="a built-in grader (addition, exact, gsm8k, math) or your own as module.path:function",
+    )
     timeout_s: float = Field(5.0, gt=0, description="time limit per answer; past it the answer scores 0")
     isolation: Literal["process", "inline"] = Field(
         "process", description="process: graders run in a worker process that is killed on a time-out"

@@ -7,7 +7,9 @@ answer and turns a crash or time-out into a score of 0 that is counted, never an
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from typing import cast
 
 from grader import builtin
 
@@ -22,10 +24,18 @@ GRADERS: dict[str, Grader] = {
 
 
 def get_grader(name: str) -> Grader:
-    try:
+    """A built-in grader by name, or your own as ``package.module:function`` (importable where actors run)."""
+    if name in GRADERS:
         return GRADERS[name]
-    except KeyError:
-        raise KeyError(f"unknown grader {name!r}; known: {', '.join(sorted(GRADERS))}") from None
+    module, sep, attr = name.partition(":")
+    if sep:
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise KeyError(f"grader {name!r} cannot be imported: {e}") from None
+        if callable(fn):
+            return cast(Grader, fn)
+    raise KeyError(f"unknown grader {name!r}; built in: {', '.join(sorted(GRADERS))}, or module.path:function")
 
 
 __all__ = ["GRADERS", "Grader", "get_grader"]

@@ -26,6 +26,7 @@ from typing import Any
 
 import msgpack
 
+from common.config import ConfigError, GraderConfig
 from common.generation import completion_text
 from common.procs import die_with_parent, stop_process
 from grader import get_grader
@@ -131,6 +132,14 @@ class _Worker:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+def open_grader(cfg: GraderConfig) -> GraderPool:
+    """The pool a role grades with; an unknown or unimportable grader is a user's config mistake."""
+    try:
+        return GraderPool(cfg.name, cfg.timeout_s, cfg.isolation)
+    except KeyError as e:
+        raise ConfigError(f"config error: grader.name: {e.args[0]}") from None
 
 
 class GraderPool:

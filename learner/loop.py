@@ -36,7 +36,7 @@ from common.schemas import GroupMessage, SchemaError, decode_group
 from common.tasks import make_task
 from common.transport import StreamEntry, Transport
 from common.weights import publish
-from grader.pool import GraderPool
+from grader.pool import GraderPool, open_grader
 from learner.batch import Batch, assemble, sampled_reward_stats
 from learner.loss import grpo_loss
 
@@ -369,9 +369,9 @@ def run_learner(cfg: Config) -> int:
     def health() -> tuple[bool, dict]:
         return True, {"role": "learner", "step": learner.step if learner else 0}
 
+    grader = open_grader(cfg.grader)
     server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
     register_endpoint(cfg.run.dir, "learner", "learner", server.url)
-    grader = GraderPool(cfg.grader.name, cfg.grader.timeout_s, cfg.grader.isolation)
     try:
         tokenizer, model = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)
         learner = Learner(cfg, transport, model, tokenizer, grader, metrics)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The demo: a tiny model learns single-digit addition with GRPO, through Redis, a learner and two actor processes.
+# Extra arguments go to `grpo run`, e.g.  ./scripts/demo.sh -o run.steps=100
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GRPO_EXTRAS=dev source scripts/venv.sh
+exec .venv/bin/grpo run "$@"

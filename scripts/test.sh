@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite: unit, integration (a real redis-server per test on a free port), and end-to-end `grpo run`.
+# Extra arguments go to pytest, e.g.  ./scripts/test.sh -m "not e2e" -x
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GRPO_EXTRAS=dev source scripts/venv.sh
+exec .venv/bin/python -m pytest "$@"

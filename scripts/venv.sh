@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create or reuse ./.venv and install grpo-pipeline into it (sourced by demo.sh and test.sh).
+# On a machine without CUDA, torch is the CPU build 2.13.0; with an NVIDIA GPU, pip's default torch build.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+    || { echo "grpo-pipeline needs Python >= 3.10 (set PYTHON=python3.11)" >&2; exit 2; }
+  "$PYTHON" -m venv .venv
+fi
+
+if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    .venv/bin/pip install --quiet --disable-pip-version-check torch
+  else
+    .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+  fi
+fi
+
+# Reinstall only when the project's dependencies changed since the last install into this venv.
+extras=${GRPO_EXTRAS:-dev}
+stamp=".venv/.grpo-installed-$extras"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[$extras]"
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,117 @@
+"""common.config: one tree, YAML < environment < -o overrides, and errors that name the field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, check_model_path, load_config, mask_url, write_resolved
+
+
+def test_defaults_are_the_cpu_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(env={})
+    assert (cfg.run.name, cfg.run.actors, cfg.learner.loss_type, cfg.learner.beta) == ("default", 2, "dapo", 0.0)
+    assert (cfg.learner.epsilon_low, cfg.learner.epsilon_high) == (0.2, 0.28)
+    assert cfg.run.dir == str(tmp_path / "runs" / "default")
+    assert cfg.weights.dir == str(tmp_path / "runs" / "default" / "weights")
+    assert cfg.actor.max_stream_groups == 2 * cfg.learner.batch_groups
+
+
+def test_yaml_then_env_then_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("run:\n  name: yaml\n  steps: 7\nlearner:\n  lr: 0.5\n  betas: [0.8, 0.9]\n")
+    env = {"GRPO_RUN_NAME": "env", "GRPO_REDIS_URL": "redis://127.0.0.1:1/0", "GRPO_REDIS_PASSWORD": "s3cret"}
+    cfg = load_config(f, ["learner.lr=1e-3", "actor.filter_zero_std=false", "run.dir=" + str(tmp_path / "r")], env)
+    assert cfg.run.name == "env" and cfg.run.steps == 7
+    assert cfg.learner.lr == 1e-3 and cfg.learner.betas == (0.8, 0.9)
+    assert cfg.actor.filter_zero_std is False
+    assert cfg.redis.url == "redis://127.0.0.1:1/0" and cfg.redis.password.get_secret_value() == "s3cret"
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("learner.lr=-1", "learner.lr"),
+        ("learner.lrr=1", "learner.lrr"),
+        ("actor.group_size=1", "actor.group_size"),
+        ("learner.loss_type=ppo", "learner.loss_type"),
+        ("sampling.top_p=0.9", "sampling"),
+        ("run.name=has space", "run.name"),
+        ("grader.name=nope", "grader.name"),
+        ("actor.max_stream_groups=4", "actor.max_stream_groups"),
+        ("run.steps=many", "run.steps"),
+        ("learner.lr.x=1", "learner.lr"),
+        ("nonsense", "override"),
+    ],
+)
+def test_invalid_values_name_the_field(override: str, field: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override], env={})
+    message = str(e.value)
+    assert field in message and message.startswith("config error")
+    assert "Traceback" not in message
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "absent.yaml", env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, env={})
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad, env={})
+
+
+def test_resolved_config_has_no_secrets(tmp_path: Path) -> None:
+    cfg = load_config(overrides=["redis.url=redis://user:hunter2@10.0.0.1:6380/1", "redis.password=hunter2"], env={})
+    write_resolved(cfg, tmp_path / "config.json")
+    text = (tmp_path / "config.json").read_text()
+    assert "hunter2" not in text
+    tree = json.loads(text)
+    assert tree["redis"]["url"] == "redis://user:***@10.0.0.1:6380/1" and tree["redis"]["password"] is None
+    assert tree["learner"]["lr"] == cfg.learner.lr
+    assert mask_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_model_path_checks(tmp_path: Path) -> None:
+    check_model_path("Qwen/Qwen2.5-0.5B")  # a hub name passes through
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        check_model_path(str(tmp_path / "m"))
+    with pytest.raises(ConfigError, match="no such directory"):
+        check_model_path(str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match="empty"):
+        check_model_path("")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["learner", "-o", "learner.lr=-1"], "learner.lr"),
+        (["actor", "-o", "redis.url=redis://127.0.0.1:1/0", "-o", "model.path=/nonexistent/model"], "model.path"),
+        (
+            ["actor", "-o", "redis.url=redis://127.0.0.1:1/0", "-o", "redis.retries=0", "-o", "model.path=Org/name"],
+            "unreachable",
+        ),
+        (["run", "--config", "/nonexistent.yaml"], "no such file"),
+        (["nonsense"], "unknown command"),
+    ],
+)
+def test_cli_user_mistakes_are_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "common.cli", *args, *(["-o", f"run.dir={tmp_path}"] if args[0] != "nonsense" else [])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip() and " WARNING " not in line]
+    assert len(lines) == 1 and needle in lines[0], r.stderr

@@ -1,0 +1,126 @@
+"""grader: the built-in reward functions, and the pool's time limit and error counting."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common.generation import Sample
+from grader import GRADERS, get_grader
+from grader.builtin import gsm8k_final_answer, normalise_number
+from grader.pool import GraderPool
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference", "score"),
+    [("8", "8", 1.0), ("08", "8", 0.0), (" 8", "8", 0.0), ("8 ", "8", 0.0), ("18", "8", 0.0), ("", "0", 0.0)],
+)
+def test_addition_is_exact(completion: str, reference: str, score: float) -> None:
+    assert get_grader("addition")(completion, reference) == score
+
+
+def test_exact_strips_whitespace() -> None:
+    assert get_grader("exact")("  Paris\n", "Paris") == 1.0
+    assert get_grader("exact")("paris", "Paris") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("completion", "score"),
+    [
+        ("She pays 3 + 4 = 7 dollars.\n#### 1,234", 1.0),
+        ("so \\boxed{1234} is it", 1.0),
+        ("The answer is $1,234.00.", 1.0),
+        ("I think 12 then 1234", 1.0),  # the last number when there is no marker
+        ("#### 1234 but then 99", 1.0),  # a marker beats a later bare number
+        ("The answer is 1233", 0.0),
+        ("no numbers here", 0.0),
+        ("9" * 200_000, 0.0),  # a megabyte-scale number is not a hang
+    ],
+)
+def test_gsm8k(completion: str, score: float) -> None:
+    assert get_grader("gsm8k")(completion, "Natalia sold 48 ... \n#### 1234") == score
+
+
+def test_gsm8k_number_normalisation() -> None:
+    assert normalise_number("$1,234.00") == normalise_number("1234")
+    assert normalise_number("-3.50") == normalise_number("-3.5")
+    assert normalise_number("abc") is None
+    assert gsm8k_final_answer("x = 5, y = 7") == normalise_number("7")
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference", "score"),
+    [("$\\frac{1}{2}$", "0.5", 1.0), ("The result is $x^2+2x$", "2x + x^2", 1.0), ("$3$", "4", 0.0)],
+)
+def test_math_verify(completion: str, reference: str, score: float) -> None:
+    assert get_grader("math")(completion, reference) == score
+
+
+def test_registry_knows_builtins_and_import_paths() -> None:
+    assert {"addition", "exact", "gsm8k", "math"} <= set(GRADERS)
+    assert get_grader("tests.graders_for_tests:out_of_range")("8", "8") == 1.0
+    with pytest.raises(KeyError, match="unknown grader"):
+        get_grader("nope")
+    with pytest.raises(KeyError, match="cannot be imported"):
+        get_grader("no.such.module:fn")
+
+
+@pytest.mark.parametrize(
+    ("grader", "kind"),
+    [
+        ("tests.graders_for_tests:hang_on_x", "timeout"),
+        ("tests.graders_for_tests:boom_on_x", "exception"),
+        ("tests.graders_for_tests:die_on_x", "crash"),
+        ("tests.graders_for_tests:out_of_range", "invalid"),
+    ],
+)
+def test_a_bad_answer_scores_zero_is_counted_and_the_rest_are_graded(grader: str, kind: str) -> None:
+    pairs = [("8", "8"), ("x", "8"), ("7", "7"), ("1", "2"), ("x", "8"), ("5", "5")]
+    t0 = time.monotonic()
+    with GraderPool(grader, timeout_s=1.0) as pool:
+        result = pool.grade(pairs)
+        again = pool.grade([("3", "3")])  # the pool still works afterwards
+    assert result.scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    assert result.errors == {kind: 2}
+    assert again.scores == [1.0]
+    assert time.monotonic() - t0 < 30  # two 1 s time-outs plus restarts, not an hour
+
+
+def test_inline_pool_counts_exceptions_too() -> None:
+    with GraderPool("tests.graders_for_tests:boom_on_x", isolation="inline") as pool:
+        result = pool.grade([("x", "8"), ("8", "8")])
+    assert result.scores == [0.0, 1.0] and result.errors == {"exception": 1}
+
+
+def test_a_grader_that_prints_does_not_corrupt_the_pipe() -> None:
+    with GraderPool("tests.graders_for_tests:prints") as pool:
+        assert pool.grade([("8", "8"), ("9", "8")]).scores == [1.0, 0.0]
+
+
+def test_pathological_math_answers_finish_within_the_limit() -> None:
+    nasty = ["(" * 5000 + "1" + ")" * 5000, "2^{2^{2^{2^{2^{99999}}}}}", "\\frac{" * 300 + "1" + "}" * 300, "9" * 10**6]
+    t0 = time.monotonic()
+    with GraderPool("math", timeout_s=5.0) as pool:
+        result = pool.grade([(n, "1") for n in nasty])
+    assert result.scores == [0.0] * len(nasty)
+    assert time.monotonic() - t0 < 5.0 * len(nasty) + 60
+
+
+class _Tok:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("0") + i) if i < 10 else "<pad>" for i in ids)
+
+
+def test_grade_samples_requires_a_stop_and_sees_no_stop_token() -> None:
+    eos = 11
+    samples = [
+        Sample([8, eos], [-0.1, -0.1], "stop"),
+        Sample([8], [-0.1], "length"),
+        Sample([8, 10, eos], [-1] * 3, "stop"),
+    ]
+    with GraderPool("addition", isolation="inline") as pool:
+        strict = pool.grade_samples(_Tok(), samples, ["8", "8", "8"], require_stop=True)
+        lax = pool.grade_samples(_Tok(), samples, ["8", "8", "8"], require_stop=False)
+    assert strict.scores == [1.0, 0.0, 0.0]  # cut off; and "8<pad>" is not "8"
+    assert lax.scores == [1.0, 1.0, 0.0]

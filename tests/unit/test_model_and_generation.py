@@ -1,0 +1,110 @@
+"""The tiny model (offline, HF format), sampling with behaviour log-probs, and what the learner recomputes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.generation import generate, split_at_stop, stop_token_ids
+from common.grpo import token_logprobs
+
+
+def test_tiny_model_reloads_offline_with_auto_classes(tiny_model_dir: Path) -> None:
+    code = (
+        "from transformers import AutoTokenizer, AutoModelForCausalLM;"
+        f"t = AutoTokenizer.from_pretrained({str(tiny_model_dir)!r});"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r});"
+        "ids = t('3+5= a b').input_ids;"
+        "print(type(m).__name__, sum(p.numel() for p in m.parameters()), ids[0] == t.bos_token_id,"
+        " repr(t.decode(ids, skip_special_tokens=True)))"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    name, params, bos_first, text = out.stdout.split(maxsplit=3)
+    assert name == "LlamaForCausalLM"
+    assert 300_000 < int(params) < 1_000_000
+    assert bos_first == "True"
+    assert text.strip() == "'3+5= a b'"  # one token per character, spaces kept
+
+
+def test_split_at_stop() -> None:
+    assert split_at_stop([5, 6, 2, 0, 0], {2}) == ([5, 6, 2], "stop")
+    assert split_at_stop([5, 6, 7], {2}) == ([5, 6, 7], "length")
+    assert split_at_stop([2, 5], {2, 9}) == ([2], "stop")
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+    from common.models import load_pretrained
+
+    tok, model = load_pretrained(str(tiny_model_dir), "float32", "cpu")
+    return model, tok
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_match_the_learners_recomputation(model_and_tokenizer, temperature: float) -> None:  # type: ignore[no-untyped-def]
+    model, tok = model_and_tokenizer
+    torch.manual_seed(0)
+    prompts = [tok("3+5=").input_ids, tok("12+7=").input_ids]  # different lengths: left padding in play
+    stops = stop_token_ids(model, tok)
+    groups = generate(
+        model, prompts, n=4, max_new_tokens=6, stop_ids=stops, pad_id=tok.pad_token_id, temperature=temperature
+    )
+    assert [len(g) for g in groups] == [4, 4]
+    for prompt, group in zip(prompts, groups, strict=True):
+        for s in group:
+            assert len(s.token_ids) == len(s.logprobs) >= 1
+            assert (s.finish_reason == "stop") == (s.token_ids[-1] in stops)
+            ids = torch.tensor([prompt + s.token_ids])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+            recomputed = token_logprobs(logits, torch.tensor(s.token_ids), temperature)
+            assert recomputed.tolist() == pytest.approx(s.logprobs, abs=1e-4)
+
+
+def test_greedy_is_deterministic_and_seeded_sampling_reproducible(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    model, tok = model_and_tokenizer
+    kw = dict(n=1, max_new_tokens=5, stop_ids=stop_token_ids(model, tok), pad_id=tok.pad_token_id)
+    prompts = [tok("4+4=").input_ids]
+    a = generate(model, prompts, temperature=None, **kw)
+    b = generate(model, prompts, temperature=None, **kw)
+    assert a == b
+    torch.manual_seed(123)
+    c = generate(model, prompts * 3, temperature=1.0, **kw)
+    torch.manual_seed(123)
+    d = generate(model, prompts * 3, temperature=1.0, **kw)
+    assert c == d
+
+
+def test_make_tiny_model_cli(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "common.cli", "make-tiny-model", str(tmp_path / "m"), "--no-warm-start"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in (tmp_path / "m").iterdir()
+    }
+
+
+@pytest.mark.slow
+def test_warm_start_leaves_the_demo_model_at_its_documented_starting_point(demo_model_dir: Path) -> None:
+    import json
+
+    from common.models import load_pretrained
+    from common.tasks import AdditionTask
+    from common.tiny_model import accuracy
+
+    report = json.loads((demo_model_dir / "warm_start.json").read_text())
+    assert report["greedy_answer_accuracy"] >= 0.99
+    tok, model = load_pretrained(str(demo_model_dir), "float32", "cpu")
+    task = AdditionTask(20, 0)
+    torch.manual_seed(0)
+    assert 0.1 <= accuracy(model, tok, task.all, greedy=False) <= 0.45  # sampled reward starts near 0.3
+    assert accuracy(model, tok, task.eval, greedy=True) <= 0.1  # greedy: the habit (a space) wins
+    assert accuracy(model, tok, task.eval, greedy=True, strict=False) >= 0.95  # ... but the sums are known

@@ -1,0 +1,69 @@
+"""common.tasks (the addition split and the shared cursor) and common.weights (atomic, verified versions)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.schemas import WeightsAnnouncement
+from common.tasks import AdditionTask
+from common.weights import WeightsError, digest, load_into, load_state_dict, publish, version_dir
+
+
+def test_addition_split_is_disjoint_and_deterministic() -> None:
+    a, b = AdditionTask(20, seed=1), AdditionTask(20, seed=1)
+    assert [p.id for p in a.eval] == [p.id for p in b.eval]
+    assert len(a.eval) == 20 and len(a.train) == 80
+    assert not {p.prompt for p in a.eval} & {p.prompt for p in a.train}
+    p = next(p for p in a.all if p.id == "add-7-8")
+    assert (p.prompt, p.reference) == ("7+8=", "15")
+    assert [p.id for p in AdditionTask(20, seed=2).eval] != [p.id for p in a.eval]
+
+
+def test_cursor_positions_cover_each_pass_once_in_the_same_order_everywhere() -> None:
+    a, b = AdditionTask(20, seed=0), AdditionTask(20, seed=0)
+    first_pass = [a.at(i).id for i in range(80)]
+    assert sorted(first_pass) == sorted(p.id for p in a.train)  # every training prompt once per pass
+    assert [b.at(i).id for i in range(80)] == first_pass  # another replica agrees
+    second = [a.at(i).id for i in range(80, 160)]
+    assert sorted(second) == sorted(first_pass) and second != first_pass  # reshuffled each pass
+
+
+def test_eval_size_is_validated() -> None:
+    with pytest.raises(ValueError):
+        AdditionTask(100)
+
+
+def test_publish_is_atomic_verified_and_pruned(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    root = tmp_path / "weights"
+    pubs = [publish(model, tok, root, v, keep=2) for v in range(1, 5)]
+    assert sorted(p.name for p in root.iterdir()) == ["v000003", "v000004"]  # only the newest two, no temp dirs
+    ann = pubs[-1].announcement
+    assert ann.uri == str(version_dir(root, 4)) and ann.sha256 == digest(ann.uri)[0]
+    assert (Path(ann.uri) / "sha256").read_text().strip() == ann.sha256
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in Path(ann.uri).iterdir()}
+    assert pubs[-1].nbytes > 1_000_000
+
+    # A fresh model loads the published tensors exactly.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    state, _ = load_state_dict(ann)
+    load_into(other, state)
+    for (name, a), (_, b) in zip(
+        other.state_dict().items(), AutoModelForCausalLM.from_pretrained(ann.uri).state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+    # A corrupted or vanished version is refused.
+    with pytest.raises(WeightsError, match="does not match"):
+        load_state_dict(WeightsAnnouncement(4, ann.uri, "0" * 64))
+    with pytest.raises(WeightsError, match="does not exist"):
+        load_state_dict(pubs[0].announcement)
