@@ -83,7 +83,7 @@ def test_resolved_config_has_no_secrets(tmp_path: Path) -> None:
 def test_model_path_checks(tmp_path: Path) -> None:
     check_model_path("Qwen/Qwen2.5-0.5B")  # a hub name passes through
     (tmp_path / "m").mkdir()
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match=r"no config\.json"):
         check_model_path(str(tmp_path / "m"))
     with pytest.raises(ConfigError, match="no such directory"):
         check_model_path(str(tmp_path / "absent"))
