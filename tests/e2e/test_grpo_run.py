@@ -1,0 +1,142 @@
+"""The real `grpo run` command: learner and actors as processes through a private Redis, end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from common.procs import wait_until
+from tests.conftest import pid_alive
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SHORT = [
+    "-o", "run.steps=20",
+    "-o", "learner.batch_groups=8",
+    "-o", "learner.eval_every=10",
+    "-o", "actor.prompts_per_round=8",
+]  # fmt: skip
+
+
+def redis_pid(output: str) -> int:
+    m = re.search(r"private redis-server \(pid (\d+)\)", output)
+    assert m, output
+    return int(m.group(1))
+
+
+def scrape(url: str) -> str:
+    return urllib.request.urlopen(url, timeout=5).read().decode()
+
+
+def test_grpo_run_end_to_end(demo_model_dir: Path, tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]
+    run_dir = tmp_path / "run"
+    log = tmp_path / "grpo-run.log"
+    proc = processes.grpo("run", "--plain", *SHORT, "-o", f"run.dir={run_dir}", log=log)
+
+    # While it runs, every process answers /metrics with its grpo_ metrics, and /healthz.
+    endpoints_file = run_dir / "endpoints.json"
+    assert wait_until(endpoints_file.exists, 120), log.read_text()
+    endpoints = json.loads(endpoints_file.read_text())
+    assert [e["role"] for e in endpoints] == ["learner", "actor", "actor"]
+    for e in endpoints:
+        assert set(e) == {"role", "name", "pid", "metrics_url"} and e["metrics_url"].startswith("http://127.0.0.1:")
+        body = scrape(e["metrics_url"])
+        assert ("grpo_learner_step" if e["role"] == "learner" else "grpo_actor_groups_produced_total") in body
+        assert "grpo_redis_errors_total" in body
+        assert json.loads(scrape(e["metrics_url"].replace("/metrics", "/healthz")))["ok"] is True
+
+    assert proc.wait(timeout=300) == 0, log.read_text()
+    out = log.read_text()
+
+    # Nothing is left running: not the children, not the private Redis.
+    for pid in [e["pid"] for e in endpoints] + [redis_pid(out)]:
+        assert wait_until(lambda p=pid: not pid_alive(p), 10), f"pid {pid} still alive"
+
+    # The run directory: metrics.jsonl, config.json, endpoints.json, summary.json, published weights.
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(21))
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 10, 20]
+    assert all(0.0 <= r["reward"] <= 1.0 for r in rows[1:])
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["run"]["steps"] == 20 and cfg["run"]["dir"] == str(run_dir) and cfg["model"]["path"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["unexplained"] == 0
+    assert summary["groups_trained"] == 20 * 8
+    assert summary["groups_produced"] == (
+        summary["groups_trained"] + sum(summary["groups_dropped"].values()) + summary["groups_dead"]
+        + summary["groups_in_stream"]
+    )  # fmt: skip
+    # The summary prints the accounting equation.
+    assert re.search(
+        r"accounting: produced \d+ = trained 160 \+ dropped \d+ \+ dead 0 \+ in stream \d+ +\(balanced\)", out
+    )
+    weights = sorted((run_dir / "weights").iterdir())
+    assert [w.name for w in weights] == ["v000018", "v000019", "v000020"]
+    # Nothing pickled: weights are safetensors only.
+    files = {f.suffix for w in weights for f in w.iterdir()}
+    assert ".safetensors" in files and not files & {".bin", ".pt", ".pth", ".pkl", ".pickle"}
+    assert (run_dir / "logs" / "learner.log").exists() and (run_dir / "logs" / "actor-1.log").exists()
+
+
+def _start_long_run(tmp_path: Path, processes):  # type: ignore[no-untyped-def]
+    run_dir = tmp_path / "run"
+    log = tmp_path / "grpo-run.log"
+    proc = processes.grpo("run", "--plain", "-o", "run.steps=100000", "-o", f"run.dir={run_dir}", log=log)
+    assert wait_until((run_dir / "endpoints.json").exists, 120), log.read_text()
+    assert wait_until(
+        lambda: (run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) > 2,
+        120,
+    )
+    endpoints = json.loads((run_dir / "endpoints.json").read_text())
+    return proc, log, endpoints
+
+
+def test_a_dead_actor_stops_the_run_with_the_reason(demo_model_dir: Path, tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]
+    proc, log, endpoints = _start_long_run(tmp_path, processes)
+    victim = next(e for e in endpoints if e["name"] == "actor-1")
+    import os
+
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert proc.wait(timeout=60) == 1
+    out = log.read_text()
+    assert f"actor-1 (pid {victim['pid']}) exited with code -9" in out
+    for pid in [e["pid"] for e in endpoints] + [redis_pid(out)]:
+        assert wait_until(lambda p=pid: not pid_alive(p), 15), f"pid {pid} still alive"
+
+
+def test_ctrl_c_stops_every_process(demo_model_dir: Path, tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]
+    proc, log, endpoints = _start_long_run(tmp_path, processes)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 128 + signal.SIGINT
+    assert time.monotonic() - t0 < 30
+    out = log.read_text()
+    assert "interrupted" in out
+    for pid in [e["pid"] for e in endpoints] + [redis_pid(out)]:
+        assert wait_until(lambda p=pid: not pid_alive(p), 15), f"pid {pid} still alive"
+
+
+def test_nothing_is_pickled_anywhere() -> None:
+    """No product module imports a pickle-family serializer, torch.save/torch.load, or multiprocessing (which pickles
+    what it sends); processes talk msgpack and safetensors only."""
+    root = Path(__file__).resolve().parents[2]
+    pattern = re.compile(
+        r"^\s*(import|from)\s+(pickle|cPickle|cloudpickle|dill|marshal|shelve|joblib|multiprocessing)\b"
+        r"|torch\.(save|load)\(|\bpickle\.(dumps?|loads?)\(",
+        re.M,
+    )
+    offenders = [
+        str(p.relative_to(root))
+        for pkg in ("actor", "learner", "grader", "common")
+        for p in (root / pkg).rglob("*.py")
+        if pattern.search(p.read_text())
+    ]
+    assert offenders == []
+    assert sys.version_info >= (3, 10)

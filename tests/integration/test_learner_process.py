@@ -1,0 +1,100 @@
+"""A real `grpo learner` process on a real Redis, fed by the test: it trains on valid groups, drops stale and future
+ones, dead-letters malformed messages with their reason, and the accounting balances."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from common.config import RedisConfig
+from common.schemas import Completion, GroupMessage, encode_group
+from common.transport import Transport, read_balance
+
+pytestmark = pytest.mark.integration
+
+DESIGN_KEYS = {
+    "step", "policy_version", "reward", "reward_std", "frac_reward_zero_std", "reward/trained",
+    "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", "completions/mean_length",
+    "staleness/mean", "staleness/max", "loss", "lr", "groups_consumed", "time/step_s",
+}  # fmt: skip
+
+
+def group(tok, version: int, group_size: int = 4) -> bytes:  # type: ignore[no-untyped-def]
+    prompt = tok("3+5=").input_ids
+    eos = tok.eos_token_id
+    answers = [[tok.convert_tokens_to_ids("8"), eos], [tok.convert_tokens_to_ids("9"), eos]]
+    comps = tuple(
+        Completion(np.array(answers[i % 2], np.int32), np.array([-0.7, -0.2], np.float32), float(i % 2 == 0), "stop")
+        for i in range(group_size)
+    )
+    return encode_group(GroupMessage("add-3-5", version, "test", np.array(prompt, np.int32), comps))
+
+
+def garbage(i: int) -> bytes:
+    kinds = [
+        b"\x00\xff not msgpack",
+        msgpack.packb({"v": 99}),
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"v": 1, "type": "group"}),
+        b"",
+    ]
+    return kinds[i % len(kinds)]
+
+
+def test_learner_trains_drops_and_dead_letters(tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    t = Transport(RedisConfig(url=redis_url), "lt")
+    # Steps 1-2 train four version-0 groups; at step 3 (learner version 2, max_staleness 1) two more version-0 groups
+    # are too stale and one from version 9 is from the future; version-2 groups fill steps 3 and 4.
+    payloads = [group(tok, 0)] * 4 + [group(tok, 0)] * 2 + [group(tok, 9)] + [group(tok, 2)] * 4
+    mixed: list[bytes] = []
+    for i, p in enumerate(payloads):
+        mixed += [garbage(3 * i), garbage(3 * i + 1), garbage(3 * i + 2), p]  # every one read before its group
+    t.produce(mixed)
+    t.produce([group(tok, 0, group_size=3)])  # a valid message with the wrong group size for this run
+    run_dir = tmp_path / "run"
+    proc = processes.grpo(
+        "learner",
+        "-o", f"redis.url={redis_url}", "-o", f"model.path={tiny_model_dir}", "-o", f"run.dir={run_dir}",
+        "-o", "run.name=lt", "-o", "run.steps=4", "-o", "learner.batch_groups=2", "-o", "actor.group_size=4",
+        "-o", "learner.max_staleness=1", "-o", "learner.eval_every=2", "-o", "task.eval_size=5",
+        log=tmp_path / "learner.log",
+    )  # fmt: skip
+    assert proc.wait(timeout=180) == 0, (tmp_path / "learner.log").read_text()
+
+    b = read_balance(t)
+    assert b.trained == 8
+    assert b.dead == 3 * len(payloads)
+    assert b.dropped == {"stale": 2, "future": 1, "group_size": 1} or (
+        # the wrong-size group sits last in the stream: the learner may finish before reading it
+        b.dropped == {"stale": 2, "future": 1} and b.in_stream == 1
+    )
+    assert b.unexplained == 0
+    dead = t.client.xrange(t.keys.dead)
+    assert len(dead) == b.dead
+    reasons = {f[b"reason"].decode().split(":")[0] for _, f in dead}
+    assert {"not msgpack", "unsupported schema version 99 (this build reads 1)", "group"} <= reasons
+    assert all(b"payload" in f for _, f in dead)
+    assert t.is_done()
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[4]
+    assert "eval/accuracy" not in rows[1]
+    for r in rows[1:]:
+        assert set(r) >= DESIGN_KEYS, DESIGN_KEYS - set(r)
+        assert "kl" not in r  # beta = 0
+    assert [r["staleness/max"] for r in rows[1:]] == [0, 1, 0, 1]
+    assert rows[-1]["groups_consumed"] == 8 and rows[-1]["groups_dead"] == b.dead
+    assert rows[1]["reward"] == pytest.approx(0.5) and rows[1]["frac_reward_zero_std"] == 0.0
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["run"]["steps"] == 4 and cfg["learner"]["max_staleness"] == 1
+    # Versions 0..4 were published; the newest three are kept.
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v000002", "v000003", "v000004"]
+    assert t.latest_weights().version == 4

@@ -1,0 +1,135 @@
+"""common.transport against a real redis-server: the stream contract, dead letters, weights, and the accounting."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from common.config import RedisConfig
+from common.schemas import WeightsAnnouncement
+from common.transport import Transport, TransportError, read_balance
+
+pytestmark = pytest.mark.integration
+
+
+def transport(url: str, run: str = "t") -> Transport:
+    return Transport(RedisConfig(url=url, retries=1), run)
+
+
+def test_keys_live_under_the_run_hash_tag(redis_url: str) -> None:
+    t = transport(redis_url, "my-run")
+    t.ensure_consumer_group()
+    t.produce([b"x"], {"groups_filtered:zero_std": 2})
+    t.next_prompts(3)
+    t.heartbeat("a1", 5, {})
+    t.announce_weights(WeightsAnnouncement(1, "/w/v1", "a" * 64))
+    t.mark_done()
+    keys = sorted(k.decode() for k in t.client.keys("*"))
+    assert keys == [
+        "grpo:{my-run}:actors:a1",
+        "grpo:{my-run}:done",
+        "grpo:{my-run}:groups",
+        "grpo:{my-run}:prompts:cursor",
+        "grpo:{my-run}:stats",
+        "grpo:{my-run}:weights:latest",
+    ]
+
+
+def test_produce_read_ack_balances(redis_url: str) -> None:
+    t = transport(redis_url)
+    t.ensure_consumer_group()
+    ids = t.produce([b"g1", b"g2", b"g3"], {"groups_filtered:zero_std": 5})
+    assert len(ids) == 3 and t.stream_length() == 3
+    got = t.read("learner-1", count=10, block_ms=100)
+    assert [e.payload for e in got] == [b"g1", b"g2", b"g3"]
+    assert t.pending_count() == 3
+    b = read_balance(t)
+    assert (b.produced, b.trained, b.in_stream, b.unexplained) == (3, 0, 3, 0)
+    t.ack_trained([got[0].id, got[1].id])
+    t.drop([got[2].id], "stale")
+    b = read_balance(t)
+    assert (b.trained, b.dropped, b.in_stream, b.filtered, b.unexplained) == (2, {"stale": 1}, 0, {"zero_std": 5}, 0)
+    assert t.stream_length() == 0 and t.pending_count() == 0
+    assert "balanced" in b.equation()
+
+
+def test_dead_letter_keeps_reason_and_raw_payload(redis_url: str) -> None:
+    t = transport(redis_url)
+    t.ensure_consumer_group()
+    t.produce([b"\xc1garbage"])
+    (entry,) = t.read("l", 1, 100)
+    t.dead_letter(entry, "not msgpack: boom")
+    ((_, fields),) = t.client.xrange(t.keys.dead)
+    assert fields[b"reason"] == b"not msgpack: boom" and fields[b"payload"] == b"\xc1garbage"
+    assert fields[b"source_id"].decode() == entry.id
+    b = read_balance(t)
+    assert (b.dead, b.in_stream, b.unexplained) == (1, 0, 0)
+
+
+def test_a_new_learner_reclaims_what_a_dead_one_left_pending(redis_url: str) -> None:
+    t = transport(redis_url)
+    t.ensure_consumer_group()
+    t.produce([b"a", b"b", b"c"])
+    t.read("learner-dead", 2, 100)  # read, never acked: the process "died"
+    reclaimed = t.claim_pending("learner-new")
+    assert [e.payload for e in reclaimed] == [b"a", b"b"]
+    rest = t.read("learner-new", 10, 100)
+    assert [e.payload for e in rest] == [b"c"]
+    t.ack_trained([e.id for e in reclaimed + rest])
+    assert read_balance(t).unexplained == 0
+
+
+def test_groups_produced_before_the_consumer_group_exists_are_not_skipped(redis_url: str) -> None:
+    t = transport(redis_url)
+    t.produce([b"early"])
+    t.ensure_consumer_group()
+    t.ensure_consumer_group()  # idempotent
+    assert [e.payload for e in t.read("l", 5, 100)] == [b"early"]
+
+
+def test_weights_announcement_hash_and_pubsub(redis_url: str) -> None:
+    t = transport(redis_url)
+    assert t.latest_weights() is None
+    ps = t.subscribe_weights()
+    ps.get_message(timeout=1)  # drain nothing; subscription is active
+    ann = WeightsAnnouncement(4, "/w/v000004", "b" * 64)
+    t.announce_weights(ann)
+    assert t.latest_weights() == ann
+    msg = ps.get_message(timeout=2)
+    assert msg is not None and msg["data"] == b"4"
+    ps.close()
+
+
+def test_two_actors_share_the_prompt_cursor(redis_url: str) -> None:
+    a, b = transport(redis_url), transport(redis_url)
+    ranges = [a.next_prompts(4), b.next_prompts(4), a.next_prompts(2)]
+    assert [list(r) for r in ranges] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_heartbeat_expires(redis_url: str) -> None:
+    t = transport(redis_url)
+    t.heartbeat("actor-1", 0.3, {"version": 2})
+    assert t.live_actors()["actor-1"]["version"] == 2
+    time.sleep(0.6)
+    assert t.live_actors() == {}
+
+
+def test_unreachable_redis_is_a_clear_error() -> None:
+    from common.redis_server import free_port
+
+    t = Transport(RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", retries=1, socket_timeout_s=1), "t")
+    with pytest.raises(TransportError, match="unreachable"):
+        t.ping()
+    with pytest.raises(TransportError, match="empty"):
+        Transport(RedisConfig(url=""), "t")
+
+
+def test_a_restarted_server_is_reconnected_to(redis_server) -> None:  # type: ignore[no-untyped-def]
+    t = transport(redis_server.url)
+    t.produce([b"x"])
+    redis_server.restart()  # no persistence configured here: the data is gone, the connection comes back
+    assert t.stream_length() == 0
+    with pytest.raises(redis.ResponseError):
+        t.client.execute_command("NOT-A-COMMAND")
