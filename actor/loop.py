@@ -55,6 +55,7 @@ class Actor:
         self.stop = threading.Event()
         self.groups_sent = 0
         self.rounds = 0
+        self.version_sampled = engine.version  # the policy version of the round being sampled
         self._prompt_ids: dict[str, list[int]] = {}
         self._warned_forward = False
         self._next_heartbeat = 0.0

@@ -40,24 +40,24 @@ class RunConfig(_Section):
     dir: str = Field("", description="run directory; empty = runs/<name>")
     steps: int = Field(200, ge=1, description="learner steps (one batch of groups each) before the run ends")
     actors: int = Field(2, ge=0, description="actor processes that `grpo run` starts")
-    seed: int = 0
+    seed: int = Field(0, description="seeds the train/eval split, the demo model, sampling and shuffling")
     shuffle_rewards: bool = Field(
         False,
         description="control experiment: permute rewards across the batch before advantages; the model must not learn",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level of every process")
 
 
 class RedisConfig(_Section):
     url: str = Field("", description="redis:// or rediss:// URL; empty under `grpo run` = a private server")
     password: SecretStr | None = Field(None, description="overrides the URL's password; env GRPO_REDIS_PASSWORD")
-    socket_timeout_s: float = Field(30.0, gt=0)
+    socket_timeout_s: float = Field(30.0, gt=0, description="seconds before a Redis command times out")
     retries: int = Field(5, ge=0, description="attempts per Redis command on connection errors, with backoff")
 
 
 class ModelConfig(_Section):
     path: str = Field("", description="HF model directory or hub name; empty under `grpo run` = the tiny demo model")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="parameter dtype when loading")
     device: str = Field("cpu", description="torch device of the learner and the local engine: cpu, cuda, cuda:1")
 
 
@@ -69,10 +69,10 @@ class TaskConfig(_Section):
 
 class SamplingConfig(_Section):
     # The learner recomputes log-probs at the same temperature, so these live in one shared section.
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, description="-1 = off")
-    max_new_tokens: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; the learner scores at the same one")
+    top_p: float = Field(1.0, gt=0, le=1, description="must stay 1: behaviour log-probs assume no truncation")
+    top_k: int = Field(-1, ge=-1, description="-1 = off; must stay off, as top_p")
+    max_new_tokens: int = Field(4, ge=1, description="completion length limit (L_max); dr_grpo divides by it")
 
     @model_validator(mode="after")
     def _unfiltered(self) -> SamplingConfig:
@@ -97,7 +97,7 @@ class GraderConfig(_Section):
 
 class ActorConfig(_Section):
     id: str = Field("", description="empty = <hostname>-<pid>")
-    engine: Literal["local"] = "local"
+    engine: Literal["local"] = Field("local", description="generation engine: local = transformers in-process")
     group_size: int = Field(8, ge=2, description="completions per prompt (G); below 2 there is no baseline")
     prompts_per_round: int = Field(16, ge=1, description="prompts generated together in one engine call")
     filter_zero_std: bool = Field(True, description="DAPO dynamic sampling: drop groups whose rewards are all equal")
@@ -111,26 +111,28 @@ class ActorConfig(_Section):
         ge=0,
         description="backpressure: wait while the stream holds more groups; 0 = 2 x learner.batch_groups",
     )
-    heartbeat_ttl_s: float = Field(15.0, gt=0)
-    torch_threads: int = Field(1, ge=1)
+    heartbeat_ttl_s: float = Field(15.0, gt=0, description="the actors:<id> key expires this long after a beat")
+    torch_threads: int = Field(1, ge=1, description="torch CPU threads of each actor process")
 
 
 class AdvantageConfig(_Section):
     scale: Literal["group", "batch", "none"] = Field("group", description="divide by the group's std, batch's, or 1")
     ddof: Literal[0, 1] = Field(0, description="0 = population std (the seed's table), 1 = Bessel (TRL)")
-    eps: float = Field(1e-6, ge=0)
+    eps: float = Field(1e-6, ge=0, description="added to the std before dividing (TRL uses 1e-4)")
 
 
 class LearnerConfig(_Section):
     batch_groups: int = Field(32, ge=1, description="groups per learner step")
     minibatches: int = Field(4, ge=1, description="optimizer steps per batch (the batch is split into this many)")
-    lr: float = Field(1e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.99)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    epsilon_low: float = Field(0.2, ge=0, lt=1)
-    epsilon_high: float = Field(0.28, ge=0)
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="gradient norm clipped to this before each optimizer step")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="loss aggregation; see learner/loss.py for each formula"
+    )
+    epsilon_low: float = Field(0.2, ge=0, lt=1, description="clip ratio below at 1 - epsilon_low (negative advantages)")
+    epsilon_high: float = Field(0.28, ge=0, description="clip ratio above at 1 + epsilon_high (DAPO clip-higher)")
     beta: float = Field(0.0, ge=0, description="KL penalty weight; 0 = no reference model")
     advantage: AdvantageConfig = AdvantageConfig()
     max_staleness: int = Field(2, ge=0, description="drop groups more than this many versions behind")
@@ -139,10 +141,12 @@ class LearnerConfig(_Section):
         description="ratio denominator: the learner's own log-probs at the start of the step, or the engine's",
     )
     tis_cap: float = Field(2.0, ge=1, description="cap C of the importance weight min(π_prox / π_behaviour, C)")
-    publish_every: int = Field(1, ge=1)
-    eval_every: int = Field(20, ge=1)
-    read_block_ms: int = Field(1000, ge=1)
-    torch_threads: int = Field(1, ge=1)
+    publish_every: int = Field(1, ge=1, description="publish weights every this many steps (and at the last)")
+    eval_every: int = Field(
+        20, ge=1, description="greedy held-out evaluation every this many steps (and at 0 and the last)"
+    )
+    read_block_ms: int = Field(1000, ge=1, description="longest single wait for new groups (XREADGROUP BLOCK)")
+    torch_threads: int = Field(1, ge=1, description="torch CPU threads of the learner")
 
 
 class WeightsConfig(_Section):
@@ -307,3 +311,49 @@ def write_resolved(cfg: Config, path: str | os.PathLike[str]) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(cfg.resolved_dict(), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, target)
+
+
+def reference_markdown() -> str:
+    """The configuration reference (docs/configuration.md is this text; a test keeps the two equal)."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `common/config.py` by `python -m common.config > docs/configuration.md`.",
+        "Set values in one YAML file (`--config FILE`), in the environment (the variables below), or on the command",
+        "line with `-o section.key=value` (values are read as YAML). Later sources win, in that order.",
+        "",
+        "| environment variable | key |",
+        "|---|---|",
+        *[f"| `{var}` | `{key}` |" for var, key in ENV_KEYS.items()],
+        "",
+    ]
+    for name, field in Config.model_fields.items():
+        section = field.annotation
+        assert isinstance(section, type) and issubclass(section, BaseModel)
+        lines += [f"## `{name}`", "", "| key | default | meaning |", "|---|---|---|"]
+        lines += _rows(name, section)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _rows(prefix: str, model: type[BaseModel]) -> list[str]:
+    rows = []
+    for key, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            rows += _rows(f"{prefix}.{key}", sub)
+            continue
+        default = field.default
+        shown = (
+            "" if default in ("", None) else json.dumps(default if not isinstance(default, tuple) else list(default))
+        )
+        kind = str(field.annotation).replace("typing.", "")
+        meaning = field.description or ""
+        if "Literal[" in kind:
+            meaning = (meaning + "; " if meaning else "") + "one of " + kind.split("Literal[", 1)[1].rstrip("]")
+        rows.append(f"| `{prefix}.{key}` | {shown and f'`{shown}`'} | {meaning} |")
+    return rows
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

@@ -100,6 +100,7 @@ class Learner:
             stats = self.train(batch.groups)
             self.transport.ack_trained(batch.ids)  # only now: the optimizer step that used them is done
             self.groups_consumed += len(batch.ids)
+            self.metrics.groups_consumed.inc(len(batch.ids))
             self.step += 1
             self.version = self.step
             stats["time/train_s"] = time.perf_counter() - t_train
@@ -336,7 +337,6 @@ class Learner:
         m.lr.set(row["lr"])
         m.tokens_per_s.set(row["tokens_per_s"])
         m.step_seconds.observe(row["time/step_s"])
-        m.groups_consumed.inc(row["groups_consumed"] - m.groups_consumed._value.get())
 
 
 # -- the process ------------------------------------------------------------------------------------------------

@@ -115,3 +115,20 @@ def test_cli_user_mistakes_are_one_line_and_exit_2(args: list[str], needle: str,
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip() and " WARNING " not in line]
     assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_every_option_is_documented_and_the_reference_is_current() -> None:
+    from common.config import Config, reference_markdown
+
+    def fields(model):  # type: ignore[no-untyped-def]
+        for name, f in model.model_fields.items():
+            sub = f.annotation
+            if isinstance(sub, type) and hasattr(sub, "model_fields"):
+                yield from fields(sub)
+            else:
+                yield name, f
+
+    undocumented = [name for name, f in fields(Config) if not f.description]
+    assert undocumented == []
+    doc = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    assert doc.read_text() == reference_markdown() + "\n", "run: python -m common.config > docs/configuration.md"
