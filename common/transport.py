@@ -87,13 +87,15 @@ class _LoggingRetry(Retry):
 
     def call_with_retry(self, do, fail, *args, **kwargs):  # type: ignore[no-untyped-def, override]
         attempt = 0
+        total = self._retries + 1
 
-        def failed(error: Exception) -> None:
+        def failed(error: Exception, *count: int) -> None:
             nonlocal attempt
             attempt += 1
-            log.warning("redis: %s; attempt %d/%d", error, attempt, self._retries)
+            retrying = "reconnecting" if attempt < total else "giving up"
+            log.warning("redis: %s (attempt %d/%d, %s)", error, attempt, total, retrying)
             self._on_retry()
-            fail(error)
+            fail(error, *count)  # type: ignore[call-arg]
 
         return super().call_with_retry(do, failed, *args, **kwargs)
 
@@ -299,6 +301,9 @@ class Transport:
 
     def mark_done(self) -> None:
         self._do(lambda: self.client.set(self.keys.done, repr(time.time())))
+
+    def clear_done(self) -> None:
+        self._do(lambda: self.client.delete(self.keys.done))
 
     def is_done(self) -> bool:
         return bool(self._do(lambda: self.client.exists(self.keys.done)))

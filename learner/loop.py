@@ -59,8 +59,11 @@ class Learner:
         tokenizer: Any,
         grader: GraderPool,
         metrics: LearnerMetrics,
+        reference: Any = None,
     ):
         self.cfg = cfg
+        # The frozen starting policy for the KL penalty; it exists only when beta > 0 (no memory spent otherwise).
+        self.reference = reference
         self.transport = transport
         self.model = model
         self.tokenizer = tokenizer
@@ -87,6 +90,7 @@ class Learner:
 
     def run(self) -> int:
         self.transport.ensure_consumer_group()
+        self.transport.clear_done()  # a finished earlier run under this name must not stop today's actors
         self.publish()  # actors align with the version the learner starts from
         self.record({"step": 0, "policy_version": self.version, **self.evaluate()})
         steps = self.cfg.run.steps
@@ -190,7 +194,8 @@ class Learner:
             rewards, batch.group_size, scale=lc.advantage.scale, ddof=lc.advantage.ddof, eps=lc.advantage.eps
         ).float()
         self.model.train()
-        prox, entropy = self._proximal(batch, temp)
+        prox, entropy = self._scored(self.model, batch, temp, with_entropy=True)
+        ref = self._scored(self.reference, batch, temp)[0] if self.reference is not None else None
         mask = batch.loss_mask
         log_ratio_behaviour = (prox - batch.behaviour_logprobs) * mask
         if lc.old_logprobs == "proximal":
@@ -214,7 +219,8 @@ class Learner:
                 loss_type=lc.loss_type,
                 epsilon_low=lc.epsilon_low,
                 epsilon_high=lc.epsilon_high,
-                beta=0.0,
+                beta=lc.beta,
+                ref_logprobs=None if ref is None else ref[rows],
                 max_completion_length=self.cfg.sampling.max_new_tokens,
                 is_weights=None if is_weights is None else is_weights[rows],
                 num_tokens=mask[rows].sum(),  # one optimizer step per mini-batch: its own token count
@@ -230,7 +236,7 @@ class Learner:
         stats: dict[str, float] = {k: v / len(chunks) for k, v in sums.items()}
         stats |= sampled_reward_stats(groups)
         stats |= {
-            "entropy": float(entropy),
+            "entropy": float(entropy) if entropy is not None else 0.0,
             "completions/mean_length": float(batch.completion_lengths.mean()),
             "completions/truncated_frac": float(batch.truncated.float().mean()),
             "staleness/mean": float(batch.staleness.float().mean()),
@@ -251,14 +257,19 @@ class Learner:
         return stats
 
     @torch.no_grad()
-    def _proximal(self, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the batch under the current policy (no grad), and the mean token entropy."""
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-        logprobs = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    def _scored(
+        self, model: Any, batch: Batch, temperature: float, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the batch's tokens under ``model`` (no grad, 0 outside the mask), and optionally the mean
+        token entropy over the completions."""
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
         mask = batch.loss_mask
-        return logprobs * mask, (entropy * mask).sum() / mask.sum().clamp(min=1)
+        logprobs = token_logprobs(logits, batch.input_ids[:, 1:], temperature) * mask
+        if not with_entropy:
+            return logprobs, None
+        logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logprobs, (entropy * mask).sum() / mask.sum().clamp(min=1)
 
     def publish(self) -> dict[str, float]:
         wc = self.cfg.weights
@@ -334,6 +345,8 @@ class Learner:
         m.staleness.labels("mean").set(row["staleness/mean"])
         m.staleness.labels("max").set(row["staleness/max"])
         m.loss.set(row["loss"])
+        if "kl" in row:
+            m.kl.set(row["kl"])
         m.lr.set(row["lr"])
         m.tokens_per_s.set(row["tokens_per_s"])
         m.step_seconds.observe(row["time/step_s"])
@@ -374,7 +387,10 @@ def run_learner(cfg: Config) -> int:
     register_endpoint(cfg.run.dir, "learner", "learner", server.url)
     try:
         tokenizer, model = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)
-        learner = Learner(cfg, transport, model, tokenizer, grader, metrics)
+        reference = None
+        if lc.beta > 0:
+            reference = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)[1].requires_grad_(False)
+        learner = Learner(cfg, transport, model, tokenizer, grader, metrics, reference)
         stop = learner.stop
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

@@ -98,3 +98,26 @@ def test_learner_trains_drops_and_dead_letters(tiny_model_dir: Path, redis_url: 
     # Versions 0..4 were published; the newest three are kept.
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v000002", "v000003", "v000004"]
     assert t.latest_weights().version == 4
+
+
+def test_kl_penalty_loads_a_reference_and_reports_kl(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    t = Transport(RedisConfig(url=redis_url), "kl")
+    t.produce([group(tok, 0)] * 2 + [group(tok, 1)] * 2 + [group(tok, 2)] * 2)
+    run_dir = tmp_path / "run"
+    proc = processes.grpo(
+        "learner",
+        "-o", f"redis.url={redis_url}", "-o", f"model.path={tiny_model_dir}", "-o", f"run.dir={run_dir}",
+        "-o", "run.name=kl", "-o", "run.steps=3", "-o", "learner.batch_groups=2", "-o", "actor.group_size=4",
+        "-o", "learner.beta=0.04", "-o", "learner.lr=0.01", "-o", "task.eval_size=5",
+        log=tmp_path / "learner.log",
+    )  # fmt: skip
+    assert proc.wait(timeout=180) == 0, (tmp_path / "learner.log").read_text()
+    assert "KL penalty beta=0.04" in (tmp_path / "learner.log").read_text()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    kls = [r["kl"] for r in rows]
+    assert all(k >= 0 for k in kls) and kls[-1] > kls[0] and kls[-1] > 0  # the policy moves away from the reference

@@ -133,3 +133,23 @@ def test_a_restarted_server_is_reconnected_to(redis_server) -> None:  # type: ig
     assert t.stream_length() == 0
     with pytest.raises(redis.ResponseError):
         t.client.execute_command("NOT-A-COMMAND")
+
+
+def test_retries_are_bounded_logged_and_counted(redis_server, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    counts = {"errors": 0, "reconnects": 0}
+    t = Transport(
+        RedisConfig(url=redis_server.url, retries=2, socket_timeout_s=1),
+        "t",
+        on_error=lambda: counts.__setitem__("errors", counts["errors"] + 1),
+        on_reconnect=lambda: counts.__setitem__("reconnects", counts["reconnects"] + 1),
+    )
+    t.ping()
+    redis_server.stop()
+    with caplog.at_level(logging.WARNING, logger="common.transport"), pytest.raises(redis.ConnectionError):
+        t.stream_length()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("attempt 1/3, reconnecting" in m for m in messages), messages
+    assert any("attempt 3/3, giving up" in m for m in messages), messages
+    assert counts == {"errors": 1, "reconnects": 3}
