@@ -34,6 +34,24 @@ def group(tok, version: int, group_size: int = 4) -> bytes:  # type: ignore[no-u
     return encode_group(GroupMessage("add-3-5", version, "test", np.array(prompt, np.int32), comps))
 
 
+def run_learner(processes, url: str, model: Path, tmp: Path, run: str, steps: int, *overrides: str) -> None:  # type: ignore[no-untyped-def]
+    """A learner over the test's own groups (2 per step, groups of 4); returns when it has finished, exit 0."""
+    settings = [
+        f"redis.url={url}",
+        f"model.path={model}",
+        f"run.dir={tmp / 'run'}",
+        f"run.name={run}",
+        f"run.steps={steps}",
+        "learner.batch_groups=2",
+        "actor.group_size=4",
+        "task.eval_size=5",
+        *overrides,
+    ]
+    args = [a for o in settings for a in ("-o", o)]
+    proc = processes.grpo("learner", *args, log=tmp / "learner.log")
+    assert proc.wait(timeout=180) == 0, (tmp / "learner.log").read_text()
+
+
 def garbage(i: int) -> bytes:
     kinds = [
         b"\x00\xff not msgpack",
@@ -59,14 +77,9 @@ def test_learner_trains_drops_and_dead_letters(tiny_model_dir: Path, redis_url: 
     t.produce(mixed)
     t.produce([group(tok, 0, group_size=3)])  # a valid message with the wrong group size for this run
     run_dir = tmp_path / "run"
-    proc = processes.grpo(
-        "learner",
-        "-o", f"redis.url={redis_url}", "-o", f"model.path={tiny_model_dir}", "-o", f"run.dir={run_dir}",
-        "-o", "run.name=lt", "-o", "run.steps=4", "-o", "learner.batch_groups=2", "-o", "actor.group_size=4",
-        "-o", "learner.max_staleness=1", "-o", "learner.eval_every=2", "-o", "task.eval_size=5",
-        log=tmp_path / "learner.log",
-    )  # fmt: skip
-    assert proc.wait(timeout=180) == 0, (tmp_path / "learner.log").read_text()
+    run_learner(
+        processes, redis_url, tiny_model_dir, tmp_path, "lt", 4, "learner.max_staleness=1", "learner.eval_every=2"
+    )
 
     b = read_balance(t)
     assert b.trained == 8
@@ -109,14 +122,7 @@ def test_kl_penalty_loads_a_reference_and_reports_kl(
     t = Transport(RedisConfig(url=redis_url), "kl")
     t.produce([group(tok, 0)] * 2 + [group(tok, 1)] * 2 + [group(tok, 2)] * 2)
     run_dir = tmp_path / "run"
-    proc = processes.grpo(
-        "learner",
-        "-o", f"redis.url={redis_url}", "-o", f"model.path={tiny_model_dir}", "-o", f"run.dir={run_dir}",
-        "-o", "run.name=kl", "-o", "run.steps=3", "-o", "learner.batch_groups=2", "-o", "actor.group_size=4",
-        "-o", "learner.beta=0.04", "-o", "learner.lr=0.01", "-o", "task.eval_size=5",
-        log=tmp_path / "learner.log",
-    )  # fmt: skip
-    assert proc.wait(timeout=180) == 0, (tmp_path / "learner.log").read_text()
+    run_learner(processes, redis_url, tiny_model_dir, tmp_path, "kl", 3, "learner.beta=0.04", "learner.lr=0.01")
     assert "KL penalty beta=0.04" in (tmp_path / "learner.log").read_text()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     kls = [r["kl"] for r in rows]
