@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from common.config import Config
-from common.generation import Sample, generate, stop_token_ids
+from common.generation import Sample, generate, pad_token_id, stop_token_ids
 from common.models import load_pretrained
 from common.schemas import WeightsAnnouncement
 from common.weights import load_into, load_state_dict
@@ -38,8 +38,7 @@ class LocalEngine:
         self.cfg = cfg
         self.tokenizer, self.model = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else min(self.stop_ids))
+        self.pad_id = pad_token_id(self.tokenizer, self.stop_ids)
         self.version = 0
         torch.manual_seed(seed)
 

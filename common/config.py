@@ -32,7 +32,8 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     # extra="forbid": a misspelt key is an error naming it, not a silently ignored setting.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # coerce_numbers_to_str: `-o run.name=2024` is the name "2024", not a type error.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 class RunConfig(_Section):
@@ -147,6 +148,17 @@ class LearnerConfig(_Section):
     )
     read_block_ms: int = Field(1000, ge=1, description="longest single wait for new groups (XREADGROUP BLOCK)")
     torch_threads: int = Field(1, ge=1, description="torch CPU threads of the learner")
+
+    @model_validator(mode="after")
+    def _fresh_enough(self) -> LearnerConfig:
+        # Between two publishes the learner advances publish_every versions while actors keep the old weights: with
+        # more than max_staleness + 1 of them every group would arrive too stale and the run would wait forever.
+        if self.publish_every > self.max_staleness + 1:
+            raise ValueError(
+                f"publish_every ({self.publish_every}) must be at most max_staleness + 1 ({self.max_staleness + 1}): "
+                "otherwise every group is too stale by the time it is trained"
+            )
+        return self
 
 
 class WeightsConfig(_Section):

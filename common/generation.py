@@ -44,6 +44,12 @@ def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
     return {int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None}
 
 
+def pad_token_id(tokenizer: Any, stop_ids: set[int]) -> int:
+    """The tokenizer's pad token, else a stop token (padding is masked out, any id will do)."""
+    pad = tokenizer.pad_token_id
+    return int(pad if pad is not None else min(stop_ids))
+
+
 @torch.no_grad()
 def generate(
     model: Any,

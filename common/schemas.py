@@ -115,7 +115,7 @@ class WeightsAnnouncement:
 
     @classmethod
     def from_hash(cls, h: Mapping[Any, Any]) -> WeightsAnnouncement:
-        d = {_text(k): _text(v) for k, v in h.items()}
+        d = {as_text(k): as_text(v) for k, v in h.items()}
         try:
             ann = cls(int(d["version"]), d["uri"], d["sha256"], d["format"], float(d["published_at"]))
         except (KeyError, ValueError) as e:
@@ -125,7 +125,7 @@ class WeightsAnnouncement:
         return ann
 
 
-def _text(v: bytes | str) -> str:
+def as_text(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
@@ -241,7 +241,7 @@ def _decode_completion(v: Any, where: str) -> Completion:
     if not np.all(np.isfinite(lps)) or lps.max() > _LOGPROB_SLACK:
         raise SchemaError(f"{where}.logprobs: must be finite and <= 0")
     reason = d["finish_reason"]
-    if reason not in FINISH_REASONS:
+    if not isinstance(reason, str) or reason not in FINISH_REASONS:
         raise SchemaError(f"{where}.finish_reason: {reason!r} not one of {sorted(FINISH_REASONS)}")
     reward = _float(d["reward"], f"{where}.reward", 0.0, 1.0)
     return Completion(ids, lps, reward, reason)

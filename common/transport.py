@@ -39,11 +39,28 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from common.config import RedisConfig
-from common.schemas import WeightsAnnouncement
+from common.schemas import WeightsAnnouncement, as_text
 
 log = logging.getLogger(__name__)
 
 CONSUMER_GROUP = "learners"
+_SCRIPT_CHUNK = 1000  # ids per script call (Lua's unpack has a stack limit)
+
+# Settling a group (trained, dropped, dead) is one Lua script, atomic like MULTI/EXEC, and idempotent: a command
+# retried after its reply was lost finds the entry already deleted and counts nothing twice, so the equation holds.
+_SETTLE = """
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3))
+local deleted = redis.call('XDEL', KEYS[1], unpack(ARGV, 3))
+if deleted > 0 then redis.call('HINCRBY', KEYS[2], ARGV[2], deleted) end
+return deleted
+"""
+_DEAD_LETTER = """
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if redis.call('XDEL', KEYS[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[3], '*', 'reason', ARGV[3], 'payload', ARGV[4], 'source_id', ARGV[2], 'at', ARGV[5])
+redis.call('HINCRBY', KEYS[2], 'groups_dead', 1)
+return 1
+"""
 T = TypeVar("T")
 
 
@@ -106,7 +123,7 @@ class _LoggingRetry(Retry):
 
 
 class Transport:
-    """One process's connection to a run's keys. Thin: every method is one Redis round trip (or one transaction)."""
+    """One process's connection to a run's keys. Thin: each method is a command, a transaction or a script."""
 
     def __init__(
         self,
@@ -134,6 +151,8 @@ class Transport:
             )
         except ValueError as e:
             raise TransportError(f"redis.url {cfg.url!r}: {e}") from None
+        self._settle_script = self.client.register_script(_SETTLE)
+        self._dead_script = self.client.register_script(_DEAD_LETTER)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -180,11 +199,7 @@ class Transport:
         for name, n in counters.items():
             pipe.hincrby(self.keys.stats, name, n)
         replies = self._do(pipe.execute)
-        return [_text(i) for i in replies[: len(payloads)]]
-
-    def count(self, name: str, n: int = 1) -> None:
-        """A stats counter that counts an event, not a stream operation (e.g. resample-limit hits)."""
-        self._do(lambda: self.client.hincrby(self.keys.stats, name, n))
+        return [as_text(i) for i in replies[: len(payloads)]]
 
     def stream_length(self) -> int:
         return int(self._do(lambda: self.client.xlen(self.keys.groups)))
@@ -199,12 +214,12 @@ class Transport:
         self._do(lambda: self.client.set(self.keys.actor(actor_id), body, px=max(1, int(ttl_s * 1000))))
 
     def live_actors(self) -> dict[str, dict[str, Any]]:
-        out = {}
-        for key in self._do(lambda: list(self.client.scan_iter(match=self.keys.actor("*"), count=100))):
-            raw = self.client.get(key)
-            if raw is not None:
-                out[_text(key).rsplit(":", 1)[-1]] = json.loads(raw)
-        return out
+        """Heartbeats of the actors whose key has not expired, by actor id."""
+        keys = self._do(lambda: list(self.client.scan_iter(match=self.keys.actor("*"), count=100)))
+        values = self._do(lambda: self.client.mget(keys)) if keys else []
+        return {
+            as_text(k).rsplit(":", 1)[-1]: json.loads(v) for k, v in zip(keys, values, strict=True) if v is not None
+        }
 
     # -- groups stream: learner -------------------------------------------------------------------------------
 
@@ -217,14 +232,22 @@ class Transport:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    def read(self, consumer: str, count: int, block_ms: int) -> list[StreamEntry]:
-        """New entries for this consumer (XREADGROUP ... >); they stay pending until acked or dead-lettered."""
+    def read(self, consumer: str, count: int, block_ms: int, *, pending_after: str | None = None) -> list[StreamEntry]:
+        """New entries for this consumer (XREADGROUP ... >); they stay pending until settled.
+
+        ``pending_after``: instead, entries with a larger id already delivered to this consumer and not settled
+        (XREADGROUP ... <id>), such as those of a read whose reply was lost, or those taken by :meth:`claim_pending`."""
+        start = ">" if pending_after is None else pending_after
         reply: Any = self._do(
             lambda: self.client.xreadgroup(
-                CONSUMER_GROUP, consumer, {self.keys.groups: ">"}, count=count, block=block_ms
+                CONSUMER_GROUP,
+                consumer,
+                {self.keys.groups: start},
+                count=count,
+                block=block_ms if start == ">" else None,
             )
         )
-        return [StreamEntry(_text(i), f) for _stream, entries in reply or [] for i, f in entries]
+        return [StreamEntry(as_text(i), f) for _stream, entries in reply or [] for i, f in entries if f is not None]
 
     def claim_pending(self, consumer: str, min_idle_ms: int = 0) -> list[StreamEntry]:
         """Take over entries another (dead) learner read but never acked (XAUTOCLAIM), oldest first."""
@@ -236,48 +259,34 @@ class Transport:
                     self.keys.groups, CONSUMER_GROUP, consumer, min_idle_ms, start_id=s, count=256
                 )
             )
-            start, entries = _text(reply[0]), reply[1]
-            out.extend(StreamEntry(_text(i), f) for i, f in entries if f is not None)
+            start, entries = as_text(reply[0]), reply[1]
+            out.extend(StreamEntry(as_text(i), f) for i, f in entries if f is not None)
             if start == "0-0":
                 return out
 
     def _settle(self, ids: list[str], counter: str) -> None:
-        if not ids:
-            return
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xack(self.keys.groups, CONSUMER_GROUP, *ids)
-        pipe.xdel(self.keys.groups, *ids)
-        pipe.hincrby(self.keys.stats, counter, len(ids))
-        self._do(pipe.execute)
+        for i in range(0, len(ids), _SCRIPT_CHUNK):
+            self._do(lambda c=ids[i : i + _SCRIPT_CHUNK]: self._settle_script(  # type: ignore[misc]
+                keys=[self.keys.groups, self.keys.stats], args=[CONSUMER_GROUP, counter, *c]
+            ))  # fmt: skip
 
     def ack_trained(self, ids: list[str]) -> None:
-        """After the optimizer step that used them: XACK + XDEL + groups_trained, in one transaction."""
+        """After the optimizer step that used them: XACK + XDEL + groups_trained, atomically."""
         self._settle(ids, "groups_trained")
 
     def drop(self, ids: list[str], reason: str) -> None:
-        """Groups the learner refuses (e.g. too stale): XACK + XDEL + groups_dropped:<reason>, in one transaction."""
+        """Groups the learner refuses (e.g. too stale): XACK + XDEL + groups_dropped:<reason>, atomically."""
         self._settle(ids, f"groups_dropped:{reason}")
 
     def dead_letter(self, entry: StreamEntry, reason: str) -> None:
         """Move a message that failed to decode or validate to the ``dead`` stream, with its reason and raw bytes."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(
-            self.keys.dead,
-            {
-                "reason": reason[:1000],
-                "payload": entry.payload if entry.payload is not None else b"",
-                "source_id": entry.id,
-                "at": repr(time.time()),
-            },
+        payload = entry.payload if entry.payload is not None else b""
+        self._do(
+            lambda: self._dead_script(
+                keys=[self.keys.groups, self.keys.stats, self.keys.dead],
+                args=[CONSUMER_GROUP, entry.id, reason[:1000], payload, repr(time.time())],
+            )
         )
-        pipe.xack(self.keys.groups, CONSUMER_GROUP, entry.id)
-        pipe.xdel(self.keys.groups, entry.id)
-        pipe.hincrby(self.keys.stats, "groups_dead", 1)
-        self._do(pipe.execute)
-
-    def pending_count(self) -> int:
-        info = self._do(lambda: self.client.xpending(self.keys.groups, CONSUMER_GROUP))
-        return int(info["pending"]) if info else 0
 
     # -- weights ----------------------------------------------------------------------------------------------
 
@@ -309,17 +318,13 @@ class Transport:
         return bool(self._do(lambda: self.client.exists(self.keys.done)))
 
     def stats(self) -> dict[str, int]:
-        return {_text(k): int(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.stats)).items()}
+        return {as_text(k): int(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.stats)).items()}
 
     def delete_run(self) -> None:
         """Remove every key of this run (used before a fresh run under a reused name)."""
         keys: Iterable[bytes] = list(self.client.scan_iter(match=self.keys.prefix + "*", count=500))
         if keys:
             self._do(lambda: self.client.delete(*keys))
-
-
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 @dataclass(frozen=True)
@@ -352,7 +357,7 @@ def read_balance(t: Transport) -> Balance:
     pipe.hgetall(t.keys.stats)
     pipe.xlen(t.keys.groups)
     raw, xlen = t._do(pipe.execute)
-    s = {_text(k): int(v) for k, v in raw.items()}
+    s = {as_text(k): int(v) for k, v in raw.items()}
     return Balance(
         produced=s.get("groups_produced", 0),
         trained=s.get("groups_trained", 0),

@@ -7,7 +7,7 @@ given tokens ≤ t, and ``loss_mask`` marks the completion tokens (the prompt is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -29,6 +29,10 @@ class Batch:
     @property
     def completion_lengths(self) -> torch.Tensor:
         return self.loss_mask.sum(dim=1)
+
+    def to(self, device: torch.device | str) -> Batch:
+        tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
+        return replace(self, **{k: v.to(device) for k, v in tensors.items()})
 
 
 def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> Batch:

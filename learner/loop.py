@@ -28,7 +28,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from common.config import Config, check_model_path, write_resolved
-from common.generation import generate, stop_token_ids
+from common.generation import generate, pad_token_id, stop_token_ids
 from common.grpo import group_advantages, token_logprobs
 from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
 from common.models import load_pretrained
@@ -73,8 +73,8 @@ class Learner:
         lc = cfg.learner
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
         self.stop_ids = stop_token_ids(model, tokenizer)
-        pad = tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else min(self.stop_ids))
+        self.pad_id = pad_token_id(tokenizer, self.stop_ids)
+        self.device = next(model.parameters()).device
         self.consumer = f"learner-{socket.gethostname()}-{os.getpid()}"
         self.version = 0
         self.step = 0
@@ -90,6 +90,9 @@ class Learner:
 
     def run(self) -> int:
         self.transport.ensure_consumer_group()
+        taken = self.transport.claim_pending(self.consumer)  # read by an earlier learner, never settled
+        if taken:
+            log.info("took over %d groups an earlier learner had read and not trained on", len(taken))
         self.transport.clear_done()  # a finished earlier run under this name must not stop today's actors
         self.publish()  # actors align with the version the learner starts from
         self.record({"step": 0, "policy_version": self.version, **self.evaluate()})
@@ -135,10 +138,18 @@ class Learner:
         groups: list[GroupMessage] = []
         t0 = time.perf_counter()
         next_notice = t0 + 30
+        # Nothing of ours is in flight between steps, so whatever is pending for this consumer now was stranded
+        # (taken over at start, or read by a command whose reply was lost): it comes first.
+        pending_after: str | None = "0"
         while len(groups) < want:
             if self.stop.is_set():
                 return None
-            entries = self.transport.read(self.consumer, want - len(groups), self.cfg.learner.read_block_ms)
+            asked = want - len(groups)
+            entries = self.transport.read(
+                self.consumer, asked, self.cfg.learner.read_block_ms, pending_after=pending_after
+            )
+            if pending_after is not None:  # stranded entries first, then new ones once they run out
+                pending_after = entries[-1].id if len(entries) == asked else None
             drops: dict[str, list[str]] = {}
             for entry in entries:
                 msg = self.decode(entry)
@@ -160,16 +171,31 @@ class Learner:
         return Collected(ids, groups, time.perf_counter() - t0)
 
     def decode(self, entry: StreamEntry) -> GroupMessage | None:
+        """The group, or None after dead-lettering a message that is malformed or does not fit this model."""
         try:
             if entry.payload is None:
                 raise SchemaError("stream entry has no 'data' field")
-            return decode_group(entry.payload)
+            msg = decode_group(entry.payload)
+            self.check_fits(msg)
+            return msg
         except SchemaError as e:
             log.warning("dead-lettering %s: %s", entry.id, e)
             self.transport.dead_letter(entry, str(e))
             self.dead += 1
             self.metrics.groups_dead.inc()
             return None
+
+    def check_fits(self, msg: GroupMessage) -> None:
+        """Token ids the embedding does not have, or sequences longer than the model's positions, would crash a
+        forward pass: such a message is as malformed as bad msgpack."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        longest = getattr(self.model.config, "max_position_embeddings", None)
+        for c in msg.completions:
+            top = max(int(msg.prompt_ids.max()), int(c.token_ids.max()))
+            if top >= vocab:
+                raise SchemaError(f"token id {top} outside the model's vocabulary of {vocab}")
+            if longest is not None and len(msg.prompt_ids) + len(c.token_ids) > longest:
+                raise SchemaError(f"{len(msg.prompt_ids) + len(c.token_ids)} tokens exceed the model's {longest}")
 
     def refusal(self, msg: GroupMessage) -> str | None:
         """Why a valid group cannot be trained on now, or None."""
@@ -185,32 +211,73 @@ class Learner:
         return None
 
     def train(self, groups: list[GroupMessage]) -> dict[str, float]:
-        lc, temp = self.cfg.learner, self.cfg.sampling.temperature
-        batch = assemble(groups, self.pad_id, self.version)
+        """One learner step on a batch: advantages → old log-probs → mini-batch updates → statistics."""
+        batch = assemble(groups, self.pad_id, self.version).to(self.device)
+        adv = self.advantages(batch)
+        old, is_weights, seen = self.old_logprobs(batch)
+        ref = self._scored(self.reference, batch)[0] if self.reference is not None else None
+        sums, first = self.update(batch, adv, old, is_weights, ref)
+        seen = seen or first  # behaviour mode: what the policy looked like, from the first mini-batch
+        stats: dict[str, float] = {k: v / sums["updates"] for k, v in sums.items() if k != "updates"}
+        stats |= sampled_reward_stats(groups)
+        stats |= seen
+        stats |= {
+            "completions/mean_length": float(batch.completion_lengths.mean()),
+            "completions/truncated_frac": float(batch.truncated.float().mean()),
+            "staleness/mean": float(batch.staleness.float().mean()),
+            "staleness/max": float(batch.staleness.max()),
+            "groups_forwarded_zero_std": float(sum(g.zero_std for g in groups)),
+            "tokens": float(batch.loss_mask.sum()),
+        }
+        if is_weights is not None:
+            w = is_weights[batch.loss_mask > 0]
+            stats |= {
+                "is_weight/mean": float(w.mean()),
+                "is_weight/max": float(w.max()),
+                "is_weight/truncated_frac": float((w >= self.cfg.learner.tis_cap).float().mean()),
+            }
+        return stats
+
+    def advantages(self, batch: Batch) -> torch.Tensor:
+        a = self.cfg.learner.advantage
         rewards = batch.rewards
         if self.cfg.run.shuffle_rewards:  # the control experiment: rewards no longer belong to their completions
-            rewards = rewards[torch.randperm(len(rewards), generator=self._generator)]
-        adv = group_advantages(
-            rewards, batch.group_size, scale=lc.advantage.scale, ddof=lc.advantage.ddof, eps=lc.advantage.eps
-        ).float()
-        self.model.train()
-        prox, entropy = self._scored(self.model, batch, temp, with_entropy=True)
-        ref = self._scored(self.reference, batch, temp)[0] if self.reference is not None else None
-        mask = batch.loss_mask
-        log_ratio_behaviour = (prox - batch.behaviour_logprobs) * mask
-        if lc.old_logprobs == "proximal":
-            old = prox
-            # Truncated importance sampling: the tokens were sampled by the behaviour policy, not the proximal one.
-            is_weights = torch.clamp(torch.exp(log_ratio_behaviour), max=lc.tis_cap)
-        else:
-            old, is_weights = batch.behaviour_logprobs, None
+            perm = torch.randperm(len(rewards), generator=self._generator).to(rewards.device)
+            rewards = rewards[perm]
+        return group_advantages(rewards, batch.group_size, scale=a.scale, ddof=a.ddof, eps=a.eps).float()
 
+    def old_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """The ratio's denominator, the importance weights, and (proximal mode) entropy and engine mismatch."""
+        lc = self.cfg.learner
+        if lc.old_logprobs == "behavior":
+            # One forward pass cheaper: the ratio is taken against the engine's log-probs directly.
+            return batch.behaviour_logprobs, None, {}
+        prox, seen = self._scored(self.model, batch)
+        # Truncated importance sampling (AReaL): the tokens were sampled by the behaviour policy, not the proximal
+        # one, so each token's loss is weighted by min(π_prox / π_behaviour, C); the cap bounds the variance.
+        log_ratio = (prox - batch.behaviour_logprobs) * batch.loss_mask
+        return prox, torch.clamp(torch.exp(log_ratio), max=lc.tis_cap), seen
+
+    def update(
+        self,
+        batch: Batch,
+        adv: torch.Tensor,
+        old: torch.Tensor,
+        is_weights: torch.Tensor | None,
+        ref: torch.Tensor | None,
+    ) -> tuple[Counter[str], dict[str, float]]:
+        """``minibatches`` shuffled AdamW steps over the batch. Returns summed metrics and what the first
+        mini-batch's forward pass saw (the policy before any of this step's updates)."""
+        lc, temp, mask = self.cfg.learner, self.cfg.sampling.temperature, batch.loss_mask
         sums: Counter[str] = Counter()
-        order = torch.randperm(len(rewards), generator=self._generator)
-        chunks = [c for c in order.chunk(lc.minibatches) if len(c)]
-        for rows in chunks:
+        first: dict[str, float] = {}
+        order = torch.randperm(len(batch.rewards), generator=self._generator).to(self.device)
+        self.model.train()
+        for rows in (c for c in order.chunk(lc.minibatches) if len(c)):
             logits = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits
             logprobs = token_logprobs(logits[:, :-1], batch.input_ids[rows, 1:], temp)
+            if not first:
+                first = _observed(logits[:, :-1].detach(), logprobs.detach(), batch, rows, temp)
             loss, m = grpo_loss(
                 logprobs,
                 old[rows],
@@ -229,47 +296,19 @@ class Learner:
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip)
             self.optimizer.step()
-            sums.update({"loss": loss.item(), "grad_norm": grad_norm.item(), **m})
+            sums.update({"loss": loss.item(), "grad_norm": grad_norm.item(), "updates": 1, **m})
         self.model.eval()
-
-        n_tokens = mask.sum()
-        stats: dict[str, float] = {k: v / len(chunks) for k, v in sums.items()}
-        stats |= sampled_reward_stats(groups)
-        stats |= {
-            "entropy": float(entropy) if entropy is not None else 0.0,
-            "completions/mean_length": float(batch.completion_lengths.mean()),
-            "completions/truncated_frac": float(batch.truncated.float().mean()),
-            "staleness/mean": float(batch.staleness.float().mean()),
-            "staleness/max": float(batch.staleness.max()),
-            "mismatch/logprob_abs_mean": float(log_ratio_behaviour.abs().sum() / n_tokens.clamp(min=1)),
-            "groups_forwarded_zero_std": float(sum(g.zero_std for g in groups)),
-            "tokens": float(n_tokens),
-        }
-        if is_weights is not None:
-            w = is_weights[mask > 0]
-            stats |= {
-                "is_weight/mean": float(w.mean()),
-                "is_weight/max": float(w.max()),
-                "is_weight/truncated_frac": float(
-                    (torch.exp(log_ratio_behaviour[mask > 0]) > lc.tis_cap).float().mean()
-                ),
-            }
-        return stats
+        return sums, first
 
     @torch.no_grad()
-    def _scored(
-        self, model: Any, batch: Batch, temperature: float, with_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs of the batch's tokens under ``model`` (no grad, 0 outside the mask), and optionally the mean
-        token entropy over the completions."""
+    def _scored(self, model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Log-probs of the batch's tokens under ``model`` in eval mode (no grad; 0 outside the mask), with the
+        mean token entropy and the engine-vs-learner mismatch they show."""
+        temp = self.cfg.sampling.temperature
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        mask = batch.loss_mask
-        logprobs = token_logprobs(logits, batch.input_ids[:, 1:], temperature) * mask
-        if not with_entropy:
-            return logprobs, None
-        logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return logprobs, (entropy * mask).sum() / mask.sum().clamp(min=1)
+        logprobs = token_logprobs(logits, batch.input_ids[:, 1:], temp) * batch.loss_mask
+        rows = torch.arange(len(batch.rewards), device=logits.device)
+        return logprobs, _observed(logits, logprobs, batch, rows, temp)
 
     def publish(self) -> dict[str, float]:
         wc = self.cfg.weights
@@ -352,6 +391,26 @@ class Learner:
         m.step_seconds.observe(row["time/step_s"])
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """RL on a model with dropout would score the same tokens differently in each forward pass: the ratio would not
+    start at 1 and the importance weights would be noise. As TRL does, dropout is switched off."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def _observed(
+    logits: torch.Tensor, logprobs: torch.Tensor, batch: Batch, rows: torch.Tensor, temperature: float
+) -> dict[str, float]:
+    """Mean token entropy of the policy and mean |learner − engine| log-prob over the completion tokens of ``rows``."""
+    mask = batch.loss_mask[rows]
+    n = mask.sum().clamp(min=1)
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    mismatch = (logprobs - batch.behaviour_logprobs[rows]).abs() * mask
+    return {"entropy": float((entropy * mask).sum() / n), "mismatch/logprob_abs_mean": float(mismatch.sum() / n)}
+
+
 # -- the process ------------------------------------------------------------------------------------------------
 
 
@@ -387,6 +446,7 @@ def run_learner(cfg: Config) -> int:
     register_endpoint(cfg.run.dir, "learner", "learner", server.url)
     try:
         tokenizer, model = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)
+        disable_dropout(model)
         reference = None
         if lc.beta > 0:
             reference = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)[1].requires_grad_(False)

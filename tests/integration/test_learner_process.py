@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from common.config import RedisConfig
-from common.schemas import Completion, GroupMessage, encode_group
+from common.schemas import Completion, GroupMessage, decode_group, encode_group
 from common.transport import Transport, read_balance
 
 pytestmark = pytest.mark.integration
@@ -74,7 +74,8 @@ def test_learner_trains_drops_and_dead_letters(tiny_model_dir: Path, redis_url: 
     mixed: list[bytes] = []
     for i, p in enumerate(payloads):
         mixed += [garbage(3 * i), garbage(3 * i + 1), garbage(3 * i + 2), p]  # every one read before its group
-    t.produce(mixed)
+    too_big = GroupMessage("x", 0, "test", np.array([1, 50_000], np.int32), decode_group(group(tok, 0)).completions)
+    t.produce([encode_group(too_big), *mixed])  # valid on the wire, but not for this model's vocabulary
     t.produce([group(tok, 0, group_size=3)])  # a valid message with the wrong group size for this run
     run_dir = tmp_path / "run"
     run_learner(
@@ -83,7 +84,7 @@ def test_learner_trains_drops_and_dead_letters(tiny_model_dir: Path, redis_url: 
 
     b = read_balance(t)
     assert b.trained == 8
-    assert b.dead == 3 * len(payloads)
+    assert b.dead == 3 * len(payloads) + 1
     assert b.dropped == {"stale": 2, "future": 1, "group_size": 1} or (
         # the wrong-size group sits last in the stream: the learner may finish before reading it
         b.dropped == {"stale": 2, "future": 1} and b.in_stream == 1
@@ -93,6 +94,7 @@ def test_learner_trains_drops_and_dead_letters(tiny_model_dir: Path, redis_url: 
     assert len(dead) == b.dead
     reasons = {f[b"reason"].decode().split(":")[0] for _, f in dead}
     assert {"not msgpack", "unsupported schema version 99 (this build reads 1)", "group"} <= reasons
+    assert any("outside the model's vocabulary" in f[b"reason"].decode() for _, f in dead)
     assert all(b"payload" in f for _, f in dead)
     assert t.is_done()
 

@@ -44,14 +44,14 @@ def test_produce_read_ack_balances(redis_url: str) -> None:
     assert len(ids) == 3 and t.stream_length() == 3
     got = t.read("learner-1", count=10, block_ms=100)
     assert [e.payload for e in got] == [b"g1", b"g2", b"g3"]
-    assert t.pending_count() == 3
+    assert t.client.xpending(t.keys.groups, "learners")["pending"] == 3
     b = read_balance(t)
     assert (b.produced, b.trained, b.in_stream, b.unexplained) == (3, 0, 3, 0)
     t.ack_trained([got[0].id, got[1].id])
     t.drop([got[2].id], "stale")
     b = read_balance(t)
     assert (b.trained, b.dropped, b.in_stream, b.filtered, b.unexplained) == (2, {"stale": 1}, 0, {"zero_std": 5}, 0)
-    assert t.stream_length() == 0 and t.pending_count() == 0
+    assert t.stream_length() == 0 and t.client.xpending(t.keys.groups, "learners")["pending"] == 0
     assert "balanced" in b.equation()
 
 
@@ -153,3 +153,30 @@ def test_retries_are_bounded_logged_and_counted(redis_server, caplog) -> None:  
     assert any("attempt 1/3, reconnecting" in m for m in messages), messages
     assert any("attempt 3/3, giving up" in m for m in messages), messages
     assert counts == {"errors": 1, "reconnects": 3}
+
+
+def test_settling_twice_counts_once(redis_url: str) -> None:
+    """A settle retried after its reply was lost must not count a group twice: the equation would break."""
+    t = transport(redis_url)
+    t.ensure_consumer_group()
+    t.produce([b"a", b"b", b"c"])
+    a, b, c = t.read("l", 3, 100)
+    for _ in range(2):
+        t.ack_trained([a.id])
+        t.drop([b.id], "stale")
+        t.dead_letter(c, "bad")
+    bal = read_balance(t)
+    assert (bal.trained, bal.dropped, bal.dead, bal.unexplained) == (1, {"stale": 1}, 1, 0)
+    assert t.client.xlen(t.keys.dead) == 1
+
+
+def test_own_pending_entries_are_read_again(redis_url: str) -> None:
+    """Entries delivered to this consumer but never settled (a lost reply, or taken over) are not stranded."""
+    t = transport(redis_url)
+    t.ensure_consumer_group()
+    t.produce([b"a", b"b"])
+    t.read("l", 2, 100)  # the reply "was lost"
+    assert t.read("l", 2, 100) == []  # new entries only: nothing
+    first = t.read("l", 1, 100, pending_after="0")
+    assert [e.payload for e in first] == [b"a"]
+    assert [e.payload for e in t.read("l", 10, 100, pending_after=first[0].id)] == [b"b"]

@@ -159,15 +159,30 @@ _msgpack_values = st.recursive(
 
 
 def _fuzz(data: st.DataObject) -> None:
-    choice = data.draw(st.integers(0, 2))
+    choice = data.draw(st.integers(0, 3))
     if choice == 0:  # arbitrary bytes
         raw = data.draw(st.binary(max_size=256))
     elif choice == 1:  # arbitrary msgpack values
         raw = msgpack.packb(data.draw(_msgpack_values), use_bin_type=True)
-    else:  # a valid message with one field replaced by an arbitrary value
+    elif choice == 2:  # a valid message with one field replaced by an arbitrary value
         d = body(make_group(2))
         key = data.draw(st.sampled_from(sorted(d)))
         d[key] = data.draw(_msgpack_values)
+        raw = msgpack.packb(d, use_bin_type=True)
+    else:  # ... or one field nested inside a completion, an array, or the filtered summary
+        d = body(make_group(2))
+        node = data.draw(
+            st.sampled_from(
+                [
+                    d["completions"][0],
+                    d["completions"][1]["token_ids"],
+                    d["filtered"],
+                    d["prompt_ids"],
+                    d["completions"][0]["logprobs"],
+                ]
+            )
+        )
+        node[data.draw(st.sampled_from(sorted(node)))] = data.draw(_msgpack_values)
         raw = msgpack.packb(d, use_bin_type=True)
     try:
         msg = decode_group(raw)
