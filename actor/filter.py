@@ -3,16 +3,18 @@
 A group whose rewards are all equal has zero advantage everywhere and gives no policy gradient; DAPO drops it and
 samples more prompts until the batch is full of informative groups. Unbounded, that stalls a run whose model has
 solved (or cannot solve) nearly every prompt, so resampling is bounded: after ``max_consecutive`` filtered groups in a
-row, the next zero-std group is forwarded with the ``zero_std`` flag. The learner trains on it like any other (its
-advantages are 0, so it moves nothing but keeps the step count going), and the hit is counted and warned about once.
+row, the next zero-std group is forwarded with the ``zero_std`` flag. The learner trains on it like any other: its
+advantages are 0, so it adds no policy gradient (its tokens still count in the loss's token normaliser, and in the KL
+term when β > 0, as every sampled group does in TRL), the run keeps going, and the hit is counted and warned about
+once.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from enum import Enum
 
+from common.grpo import group_std, is_zero_std
 from common.schemas import FilteredStats
 
 
@@ -20,15 +22,6 @@ class Decision(Enum):
     SEND = "send"
     FILTER = "filter"
     FORWARD = "forward"  # zero-std, sent anyway because resampling reached its bound
-
-
-def is_zero_std(rewards: Sequence[float]) -> bool:
-    return max(rewards) == min(rewards)
-
-
-def group_std(rewards: Sequence[float]) -> float:
-    """Population std of one group's rewards (the reward_std metric averages this over groups)."""
-    return statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
 
 
 class ZeroStdFilter:

@@ -60,6 +60,7 @@ class Actor:
         self._warned_forward = False
         self._next_heartbeat = 0.0
         self._pubsub: Any = None
+        self._started_at = transport.server_time()
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -68,7 +69,8 @@ class Actor:
         self._pubsub = self.transport.subscribe_weights()
         try:
             while not self.stop.is_set():
-                if self.transport.is_done():
+                self.heartbeat()
+                if self.transport.done_since(self._started_at):
                     return "the learner finished the run"
                 self.reload_weights()
                 if not self.wait_for_room():
@@ -77,7 +79,6 @@ class Actor:
                 samples = self.sample(problems)
                 rewards = self.grade(problems, samples)
                 self.send(problems, samples, rewards)
-                self.heartbeat()
             return "asked to stop"
         finally:
             self._pubsub.close()
@@ -110,7 +111,8 @@ class Actor:
             return True
         t0 = time.perf_counter()
         while not self.stop.is_set() and self.transport.stream_length() > bound:
-            if self._pubsub.get_message(timeout=0.2) is not None or self.transport.is_done():
+            self.heartbeat()  # waiting is working: the key must not expire
+            if self._pubsub.get_message(timeout=0.2) is not None or self.transport.done_since(self._started_at):
                 break
         self.metrics.backpressure_seconds.inc(time.perf_counter() - t0)
         return False

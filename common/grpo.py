@@ -64,6 +64,18 @@ def group_advantages(
     return adv.reshape(-1)
 
 
+def is_zero_std(rewards: Sequence[float]) -> bool:
+    """All rewards of a group equal: no signal (DAPO filters such groups)."""
+    return max(rewards) == min(rewards)
+
+
+def group_std(rewards: Sequence[float]) -> float:
+    """Population std of one group's rewards; ``reward_std`` averages it over groups."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    return (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probabilities of ``tokens`` under ``softmax(logits / temperature)``, computed in fp32.
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common.cli import role_parser
-from common.config import Config, load_config, write_resolved
+from common.config import Config, ConfigError, check_model_path, load_config, write_resolved
 from common.log import setup_logging
 from common.metrics import gather_endpoints
 from common.procs import die_with_parent, stop_process
@@ -39,6 +39,15 @@ _ACTOR_EXIT_GRACE_S = 15.0
 
 class ChildFailed(RuntimeError):
     pass
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM, raised from the signal handler so that no wait (building the model, starting children)
+    outlives it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @dataclass
@@ -86,6 +95,7 @@ class Run:
 
     def prepare_model(self) -> None:
         if self.cfg.model.path:
+            check_model_path(self.cfg.model.path)  # before any process starts: one line, exit 2
             return
         from common.tiny_model import ensure_tiny_model  # torch and transformers load only when needed
 
@@ -129,27 +139,30 @@ class Run:
         for i in range(1, self.cfg.run.actors + 1):
             self.spawn("actor", f"actor-{i}", [f"actor.id=actor-{i}"])
 
-    def check_children(self) -> Child | None:
-        """The learner when it has finished; raises ChildFailed when any child has died otherwise."""
+    def check_children(self) -> bool:
+        """True once the learner has finished; raises ChildFailed when any child has died otherwise."""
         learner = next(c for c in self.children if c.role == "learner")
-        for child in self.children:
-            code = child.proc.poll()
-            if code is None:
-                continue
-            if code == 0 and child.role == "actor":
-                # An actor ends by itself once the learner has marked the run done, which may be seen here a moment
-                # before the learner's own exit.
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    learner.proc.wait(timeout=_ACTOR_EXIT_GRACE_S)
-                child = learner if learner.proc.returncode is not None else child
-                code = learner.proc.returncode if learner.proc.returncode is not None else code
-            if child.role == "learner" and code == 0:
-                return child
-            raise ChildFailed(
-                f"{child.name} (pid {child.proc.pid}) exited with code {code}; last lines of {child.log_path}:\n"
-                + child.tail()
-            )
-        return None
+        for child in self.children:  # failures first: a crashed actor is never hidden by the learner's success
+            if child.proc.poll() not in (None, 0):
+                raise self._failed(child)
+        if learner.proc.poll() == 0:
+            return True
+        early = next((c for c in self.children if c.role == "actor" and c.proc.poll() == 0), None)
+        if early is None:
+            return False
+        # An actor ends by itself once the learner has marked the run done, which may be seen here a moment before
+        # the learner's own exit.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            learner.proc.wait(timeout=_ACTOR_EXIT_GRACE_S)
+        if learner.proc.returncode == 0:
+            return True
+        raise self._failed(learner if learner.proc.returncode is not None else early)
+
+    def _failed(self, child: Child) -> ChildFailed:
+        return ChildFailed(
+            f"{child.name} (pid {child.proc.pid}) exited with code {child.proc.returncode} before the run finished; "
+            f"last lines of {child.log_path}:\n" + child.tail()
+        )
 
     def wait_for_endpoints(self) -> list[dict[str, Any]]:
         want = 1 + self.cfg.run.actors
@@ -233,12 +246,13 @@ def main(argv: Sequence[str]) -> int:
     setup_logging("run", cfg.run.log_level)
     from common.progress import Progress  # rich loads only after the arguments are valid
 
+    if cfg.metrics.port:
+        raise ConfigError("config error: metrics.port: must be 0 under `grpo run` (each process takes a free port)")
     run = Run(cfg)
     progress = Progress(cfg, live=not args.plain and sys.stdout.isatty())
-    interrupted: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
-        interrupted.append(signum)
+        raise Interrupted(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -250,15 +264,9 @@ def main(argv: Sequence[str]) -> int:
         endpoints = run.wait_for_endpoints()
         progress.endpoints(endpoints)
         with progress:
-            while not interrupted:
-                finished = run.check_children()
+            while not run.check_children():
                 progress.update(run.read_rows())
-                if finished:
-                    break
                 time.sleep(0.25)
-        if interrupted:
-            log.warning("interrupted: stopping every process of the run")
-            return 128 + interrupted[0]
         run.read_rows()
         run.wait_actors(_ACTOR_EXIT_GRACE_S)
         run.stop_children()
@@ -277,7 +285,12 @@ def main(argv: Sequence[str]) -> int:
     except ChildFailed as e:
         log.error("%s", e)
         return 1
+    except Interrupted as e:
+        log.warning("interrupted (%s): stopping every process of the run", e)
+        return 128 + e.signum
     finally:
+        for s in old:  # a second Ctrl-C must not cut the clean-up short
+            signal.signal(s, signal.SIG_IGN)
         run.stop_children()
         if run.redis_server is not None:
             run.redis_server.stop()

@@ -77,6 +77,7 @@ class RedisServer:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 preexec_fn=die_with_parent,
+                start_new_session=True,  # a Ctrl-C at the terminal reaches the launcher, which stops Redis last
             )  # fmt: skip
             log_file.close()
             if self._wait_ready(port, timeout_s):

@@ -15,7 +15,8 @@ Messages
       the reward of everything sampled (TRL's ``reward`` is measured before any filtering).
 
 ``WeightsAnnouncement`` (learner → Redis hash ``weights:latest`` + channel ``weights`` → actors)
-    ``version``, ``uri`` (a directory), ``sha256`` (of the safetensors file), ``format``, ``published_at``.
+    ``version``, ``uri`` (a directory), ``sha256`` (over its ``*.safetensors`` files in name order), ``format``,
+    ``published_at``.
 
 A payload that fails here raises :class:`SchemaError` with a one-line reason; the learner moves it to the ``dead``
 stream with that reason and the raw bytes.
@@ -244,7 +245,7 @@ def _decode_completion(v: Any, where: str) -> Completion:
     if not isinstance(reason, str) or reason not in FINISH_REASONS:
         raise SchemaError(f"{where}.finish_reason: {reason!r} not one of {sorted(FINISH_REASONS)}")
     reward = _float(d["reward"], f"{where}.reward", 0.0, 1.0)
-    return Completion(ids, lps, reward, reason)
+    return Completion(ids, lps, reward, cast(FinishReason, reason))
 
 
 def _decode_filtered(v: Any) -> FilteredStats:

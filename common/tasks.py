@@ -20,9 +20,6 @@ class Problem:
 
 
 class AdditionTask:
-    name = "addition"
-    grader = "addition"
-
     def __init__(self, eval_size: int = 20, seed: int = 0):
         problems = [Problem(f"add-{a}-{b}", f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
         if not 1 <= eval_size < len(problems):

@@ -102,7 +102,13 @@ class _LoggingRetry(Retry):
         super().__init__(ExponentialBackoff(cap=2.0, base=0.05), retries)
         self._on_retry = on_retry
 
-    def call_with_retry(self, do, fail, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[no-untyped-def, override]
+        def retryable(error: Exception) -> bool:
+            # A wrong password or a missing permission will not be fixed by reconnecting: report it at once.
+            if isinstance(error, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
+                return False
+            return is_retryable is None or bool(is_retryable(error))
+
         attempt = 0
         total = self._retries + 1
 
@@ -114,7 +120,7 @@ class _LoggingRetry(Retry):
             self._on_retry()
             fail(error, *count)  # type: ignore[call-arg]
 
-        return super().call_with_retry(do, failed, *args, **kwargs)
+        return super().call_with_retry(do, failed, retryable, with_failure_count)
 
     def __deepcopy__(self, memo: dict) -> _LoggingRetry:
         # redis-py copies the retry policy into every connection; ours holds a metrics callback (with a lock) that
@@ -308,14 +314,22 @@ class Transport:
 
     # -- run state and counters -------------------------------------------------------------------------------
 
+    def server_time(self) -> float:
+        """Redis's clock: one clock for every process of a run, whatever machine it is on."""
+        seconds, micros = self._do(self.client.time)
+        return seconds + micros / 1e6
+
     def mark_done(self) -> None:
-        self._do(lambda: self.client.set(self.keys.done, repr(time.time())))
+        self._do(lambda: self.client.set(self.keys.done, repr(self.server_time())))
 
     def clear_done(self) -> None:
         self._do(lambda: self.client.delete(self.keys.done))
 
-    def is_done(self) -> bool:
-        return bool(self._do(lambda: self.client.exists(self.keys.done)))
+    def done_since(self, t: float) -> bool:
+        """Whether the learner marked the run done at server time ``t`` or later (an older mark is a previous
+        run's under the same name)."""
+        raw = self._do(lambda: self.client.get(self.keys.done))
+        return raw is not None and float(raw) >= t
 
     def stats(self) -> dict[str, int]:
         return {as_text(k): int(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.stats)).items()}

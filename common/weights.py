@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from common.schemas import WeightsAnnouncement
 
@@ -92,17 +92,28 @@ def prune(root: str | os.PathLike[str], keep: int) -> None:
 
 
 def load_state_dict(ann: WeightsAnnouncement) -> tuple[dict[str, torch.Tensor], int]:
-    """Read a published version after checking its digest. Returns the tensors and the bytes read."""
+    """Read a published version, checking its digest. Returns the tensors and the bytes read.
+
+    Each file is read once and the very bytes that were hashed are the ones deserialised, so a version pruned or
+    rewritten meanwhile is a WeightsError, never a half-verified load."""
     directory = Path(ann.uri)
-    if not directory.is_dir():
-        raise WeightsError(f"weights v{ann.version}: {directory} does not exist (pruned or not shared?)")
-    sha, nbytes = digest(directory)
-    if sha != ann.sha256:
-        raise WeightsError(f"weights v{ann.version}: sha256 {sha[:12]}… does not match announced {ann.sha256[:12]}…")
+    try:
+        blobs = [f.read_bytes() for f in sorted(directory.glob("*.safetensors"))]
+    except OSError as e:
+        raise WeightsError(f"weights v{ann.version}: {e}") from None
+    if not blobs:
+        raise WeightsError(f"weights v{ann.version}: {directory} does not exist or holds no weights (pruned?)")
+    h = hashlib.sha256()
+    for blob in blobs:
+        h.update(blob)
+    if h.hexdigest() != ann.sha256:
+        raise WeightsError(
+            f"weights v{ann.version}: sha256 {h.hexdigest()[:12]}… does not match announced {ann.sha256[:12]}…"
+        )
     state: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(f))
-    return state, nbytes
+    for blob in blobs:
+        state.update(load(blob))
+    return state, sum(len(b) for b in blobs)
 
 
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

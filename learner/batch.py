@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
+from common.grpo import group_std, is_zero_std
 from common.schemas import GroupMessage
 
 
@@ -71,19 +72,18 @@ def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> B
 def sampled_reward_stats(groups: list[GroupMessage]) -> dict[str, float]:
     """``reward``, ``reward_std``, ``frac_reward_zero_std`` over everything the actors sampled for these groups —
     the groups themselves plus the filtered ones summarised in their ``filtered`` fields — and ``reward/trained``
-    over the groups alone. ``reward_std`` is the mean over groups of each group's population std (as TRL reports
-    it, before any filtering)."""
-    rewards = [np.asarray(g.rewards, dtype=np.float64) for g in groups]
+    over the groups alone. ``reward_std`` is the mean over groups of each group's std, before any filtering as in
+    TRL; here the population std (ddof 0, the seed's convention), where TRL's is Bessel-corrected."""
+    rewards = [g.rewards for g in groups]
     n_groups = len(groups) + sum(g.filtered.groups for g in groups)
     n_completions = sum(len(r) for r in rewards) + sum(g.filtered.completions for g in groups)
-    reward_sum = sum(float(r.sum()) for r in rewards) + sum(g.filtered.reward_sum for g in groups)
-    std_sum = sum(float(r.std()) for r in rewards) + sum(g.filtered.reward_std_sum for g in groups)
-    zero_std = sum(int(r.max() == r.min()) for r in rewards) + sum(g.filtered.zero_std_groups for g in groups)
-    trained = np.concatenate(rewards)
+    reward_sum = sum(sum(r) for r in rewards) + sum(g.filtered.reward_sum for g in groups)
+    std_sum = sum(group_std(r) for r in rewards) + sum(g.filtered.reward_std_sum for g in groups)
+    zero_std = sum(is_zero_std(r) for r in rewards) + sum(g.filtered.zero_std_groups for g in groups)
     return {
         "reward": reward_sum / n_completions,
         "reward_std": std_sum / n_groups,
         "frac_reward_zero_std": zero_std / n_groups,
-        "reward/trained": float(trained.mean()),
+        "reward/trained": sum(sum(r) for r in rewards) / sum(len(r) for r in rewards),
         "groups_sampled": float(n_groups),
     }

@@ -277,7 +277,7 @@ class Learner:
             logits = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits
             logprobs = token_logprobs(logits[:, :-1], batch.input_ids[rows, 1:], temp)
             if not first:
-                first = _observed(logits[:, :-1].detach(), logprobs.detach(), batch, rows, temp)
+                first = _observed(logits[:, :-1].detach(), batch, rows, temp)[1]
             loss, m = grpo_loss(
                 logprobs,
                 old[rows],
@@ -306,9 +306,8 @@ class Learner:
         mean token entropy and the engine-vs-learner mismatch they show."""
         temp = self.cfg.sampling.temperature
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        logprobs = token_logprobs(logits, batch.input_ids[:, 1:], temp) * batch.loss_mask
-        rows = torch.arange(len(batch.rewards), device=logits.device)
-        return logprobs, _observed(logits, logprobs, batch, rows, temp)
+        logprobs, seen = _observed(logits, batch, torch.arange(len(batch.rewards), device=logits.device), temp)
+        return logprobs * batch.loss_mask, seen
 
     def publish(self) -> dict[str, float]:
         wc = self.cfg.weights
@@ -400,15 +399,20 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def _observed(
-    logits: torch.Tensor, logprobs: torch.Tensor, batch: Batch, rows: torch.Tensor, temperature: float
-) -> dict[str, float]:
-    """Mean token entropy of the policy and mean |learner − engine| log-prob over the completion tokens of ``rows``."""
+    logits: torch.Tensor, batch: Batch, rows: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token log-probs of ``rows`` (as common.grpo.token_logprobs), and over their completion tokens the policy's
+    mean entropy and the mean |learner − engine| log-prob, all from one log-softmax."""
     mask = batch.loss_mask[rows]
     n = mask.sum().clamp(min=1)
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logprobs = logp_all.gather(-1, batch.input_ids[rows, 1:].unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     mismatch = (logprobs - batch.behaviour_logprobs[rows]).abs() * mask
-    return {"entropy": float((entropy * mask).sum() / n), "mismatch/logprob_abs_mean": float(mismatch.sum() / n)}
+    return logprobs, {
+        "entropy": float((entropy * mask).sum() / n),
+        "mismatch/logprob_abs_mean": float(mismatch.sum() / n),
+    }
 
 
 # -- the process ------------------------------------------------------------------------------------------------

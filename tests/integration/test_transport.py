@@ -180,3 +180,21 @@ def test_own_pending_entries_are_read_again(redis_url: str) -> None:
     first = t.read("l", 1, 100, pending_after="0")
     assert [e.payload for e in first] == [b"a"]
     assert [e.payload for e in t.read("l", 10, 100, pending_after=first[0].id)] == [b"b"]
+
+
+def test_a_wrong_password_is_reported_at_once(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    from common.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "r").start()
+    try:
+        server_client = redis.Redis.from_url(server.url)
+        server_client.config_set("requirepass", "right")
+        server_client.close()
+        t = Transport(RedisConfig(url=server.url, password="wrong", retries=5), "t")
+        with caplog.at_level(logging.WARNING, logger="common.transport"), pytest.raises(TransportError, match="auth"):
+            t.ping()
+        assert not [r for r in caplog.records if "reconnecting" in r.getMessage()]
+    finally:
+        server.stop()

@@ -65,5 +65,5 @@ def test_publish_is_atomic_verified_and_pruned(tiny_model_dir: Path, tmp_path: P
     # A corrupted or vanished version is refused.
     with pytest.raises(WeightsError, match="does not match"):
         load_state_dict(WeightsAnnouncement(4, ann.uri, "0" * 64))
-    with pytest.raises(WeightsError, match="does not exist"):
+    with pytest.raises(WeightsError, match="pruned"):
         load_state_dict(pubs[0].announcement)
