@@ -125,7 +125,7 @@ class AdvantageConfig(_Section):
 class LearnerConfig(_Section):
     batch_groups: int = Field(32, ge=1, description="groups per learner step")
     minibatches: int = Field(4, ge=1, description="optimizer steps per batch (the batch is split into this many)")
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    lr: float = Field(7e-5, gt=0, description="AdamW learning rate")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="gradient norm clipped to this before each optimizer step")
