@@ -23,6 +23,7 @@ from actor.engine import Engine, make_engine
 from actor.filter import Decision, ZeroStdFilter, filtered_stats
 from common.config import Config, check_model_path
 from common.generation import Sample
+from common.grpo import overlong_penalty
 from common.metrics import ActorMetrics, MetricsServer, register_endpoint
 from common.schemas import Completion, FilteredStats, GroupMessage, encode_group
 from common.tasks import Problem, make_task
@@ -157,7 +158,7 @@ class Actor:
         payloads: list[bytes] = []
         counters: Counter[str] = Counter()
         for problem, samples, r in zip(problems, groups, rewards, strict=True):
-            decision = self.filter.decide(r)
+            decision = self.filter.decide(self.shaped(samples, r))
             if decision is Decision.FILTER:
                 self.pending_filtered += filtered_stats(r)
                 counters["groups_filtered:zero_std"] += 1
@@ -175,6 +176,17 @@ class Actor:
             self.metrics.groups_filtered.labels("zero_std").inc(counters["groups_filtered:zero_std"])
         if counters["zero_std_forwarded"]:
             self.metrics.groups_forwarded.inc(counters["zero_std_forwarded"])
+
+    def shaped(self, samples: list[Sample], rewards: list[float]) -> list[float]:
+        """The rewards the learner will compute advantages from (common.grpo.overlong_penalty added), so that a group
+        whose answers are all right but differ in length is not filtered as if it carried no signal. The wire keeps
+        the grader's rewards; the learner applies the same penalty."""
+        s = self.cfg.shaping
+        if not s.enabled():
+            return rewards
+        lengths = [len(x.token_ids) for x in samples]
+        penalty = overlong_penalty(lengths, self.cfg.sampling.max_new_tokens, s.overlong_cache, s.overlong_factor)
+        return [r + p for r, p in zip(rewards, penalty, strict=True)]
 
     def _message(self, problem: Problem, samples: list[Sample], rewards: list[float], forwarded: bool) -> GroupMessage:
         return GroupMessage(

@@ -122,10 +122,32 @@ class AdvantageConfig(_Section):
     eps: float = Field(1e-6, ge=0, description="added to the std before dividing (TRL uses 1e-4)")
 
 
+class ShapingConfig(_Section):
+    overlong_cache: int = Field(
+        0,
+        ge=0,
+        description="DAPO soft overlong punishment: the last this many tokens before sampling.max_new_tokens are "
+        "penalised linearly down to -overlong_factor; 0 = off",
+    )
+    overlong_factor: float = Field(1.0, ge=0, description="the overlong penalty at max_new_tokens (DAPO: 1)")
+
+    def enabled(self) -> bool:
+        return self.overlong_cache > 0 and self.overlong_factor > 0
+
+
 class LearnerConfig(_Section):
     batch_groups: int = Field(32, ge=1, description="groups per learner step")
-    minibatches: int = Field(4, ge=1, description="optimizer steps per batch (the batch is split into this many)")
-    lr: float = Field(7e-5, gt=0, description="AdamW learning rate")
+    updates_per_batch: int = Field(
+        4, ge=1, description="optimizer steps per batch: the shuffled batch is split into this many mini-batches"
+    )
+    grad_accum: int = Field(
+        1, ge=1, description="micro-batches per optimizer step (gradient accumulation): bounds activation memory"
+    )
+    lr: float = Field(7e-5, gt=0, description="AdamW peak learning rate")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after warm-up: constant, or a linear or cosine decay towards 0 at the end of the run"
+    )
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="gradient norm clipped to this before each optimizer step")
@@ -141,7 +163,21 @@ class LearnerConfig(_Section):
         "proximal",
         description="ratio denominator: the learner's own log-probs at the start of the step, or the engine's",
     )
-    tis_cap: float = Field(2.0, ge=1, description="cap C of the importance weight min(π_prox / π_behaviour, C)")
+    tis_cap: float = Field(2.0, ge=1, description="C: importance weights are min(π_prox / π_behaviour, C)")
+    is_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="truncate: weight min(w, C); mask: weight w inside [1/C, C], tokens outside dropped (weight 0)",
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="leave completions cut off at max_new_tokens out of the loss (DAPO overlong filtering)"
+    )
+    alarm_window: int = Field(10, ge=1, description="steps a condition must hold before its alarm is raised")
+    alarm_clip_ratio: float = Field(
+        0.2, gt=0, le=1, description="alarm when clip_ratio/region_mean stays above this: lr likely too large"
+    )
+    alarm_zero_std: float = Field(
+        0.9, gt=0, le=1, description="alarm when frac_reward_zero_std stays above this: prompts too easy or too hard"
+    )
     publish_every: int = Field(1, ge=1, description="publish weights every this many steps (and at the last)")
     eval_every: int = Field(
         20, ge=1, description="greedy held-out evaluation every this many steps (and at 0 and the last)"
@@ -177,6 +213,7 @@ class Config(_Section):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()
+    shaping: ShapingConfig = ShapingConfig()
     grader: GraderConfig = GraderConfig()
     actor: ActorConfig = ActorConfig()
     learner: LearnerConfig = LearnerConfig()
@@ -192,7 +229,12 @@ class Config(_Section):
         if not self.actor.max_stream_groups:
             # One batch being read (pending) plus one waiting: staleness stays near 1 version.
             self.actor.max_stream_groups = 2 * self.learner.batch_groups
-        elif self.actor.max_stream_groups < self.learner.batch_groups:
+        if self.shaping.overlong_cache >= self.sampling.max_new_tokens:
+            raise ValueError(
+                f"shaping.overlong_cache ({self.shaping.overlong_cache}) must be below sampling.max_new_tokens "
+                f"({self.sampling.max_new_tokens})"
+            )
+        if self.actor.max_stream_groups < self.learner.batch_groups:
             # The learner's partly read batch counts towards the bound: below one batch, actors and learner
             # would wait for each other forever.
             raise ValueError(

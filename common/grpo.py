@@ -76,6 +76,22 @@ def group_std(rewards: Sequence[float]) -> float:
     return (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
 
 
+def overlong_penalty(lengths: Sequence[int], max_len: int, cache: int, factor: float = 1.0) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al., 2025, eq. 13), added to each completion's reward before grouping.
+
+    0 up to ``max_len − cache`` tokens, then falling linearly to ``−factor`` at ``max_len`` (and ``−factor`` beyond):
+    a completion that runs into the length limit is told so gradually, instead of scoring like a wrong answer the
+    moment it crosses the line. ``cache`` 0 turns it off.
+
+    >>> overlong_penalty([10, 16, 18, 20], max_len=20, cache=4)
+    [0.0, 0.0, -0.5, -1.0]
+    """
+    if cache <= 0 or factor == 0:
+        return [0.0] * len(lengths)
+    soft = max_len - cache
+    return [0.0 if n <= soft else -factor * min(1.0, (n - soft) / cache) for n in lengths]
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probabilities of ``tokens`` under ``softmax(logits / temperature)``, computed in fp32.
 

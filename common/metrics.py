@@ -61,6 +61,12 @@ class LearnerMetrics(RedisMetrics):
             "grpo_learner_weight_publish_bytes", "size of the last published weights", registry=r
         )
         self.eval_accuracy = Gauge("grpo_learner_eval_accuracy", "greedy accuracy on held-out prompts", registry=r)
+        self.alarm = Gauge(
+            "grpo_learner_alarm", "1 while an alarm (clip_ratio, zero_std) is raised", ["kind"], registry=r
+        )
+        self.reference_loaded = Gauge(
+            "grpo_learner_reference_model_loaded", "1 when a frozen reference model is in memory (beta > 0)", registry=r
+        )
 
 
 class ActorMetrics(RedisMetrics):

@@ -31,6 +31,11 @@ class Batch:
     def completion_lengths(self) -> torch.Tensor:
         return self.loss_mask.sum(dim=1)
 
+    @property
+    def row_staleness(self) -> torch.Tensor:
+        """(B,) the staleness of each completion's group."""
+        return self.staleness.repeat_interleave(self.group_size)
+
     def to(self, device: torch.device | str) -> Batch:
         tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
         return replace(self, **{k: v.to(device) for k, v in tensors.items()})

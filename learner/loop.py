@@ -1,13 +1,8 @@
 """The learner: ``collect a batch → train → acknowledge → publish → evaluate → record``, until ``run.steps``.
 
 Policy versions: version v is the policy after v learner steps; version 0 is ``model.path``. Actors stamp each group
-with the version they sampled it with, and a group is trained at most ``max_staleness`` versions later.
-
-Departures from the textbook, each a config choice (see learner.loss for the loss itself):
-- old log-probs are by default the learner's own, computed without grad at the start of the step (AReaL's decoupled
-  PPO: the clip then bounds the move from the *current* policy, not from whichever stale copy an actor used), and
-  the behaviour policy is corrected for with the truncated importance weight min(π_prox / π_behaviour, C);
-- each batch is split into ``minibatches`` shuffled parts with one AdamW step each.
+with the version they sampled it with, and a group is trained at most ``max_staleness`` versions later. The
+optimisation itself (advantages, off-policy correction, updates) is learner.trainer, which does no I/O.
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ from prometheus_client import CollectorRegistry
 
 from common.config import Config, check_model_path, write_resolved
 from common.generation import generate, pad_token_id, stop_token_ids
-from common.grpo import group_advantages, token_logprobs
 from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
 from common.models import load_pretrained
 from common.schemas import GroupMessage, SchemaError, decode_group
@@ -37,8 +31,8 @@ from common.tasks import make_task
 from common.transport import StreamEntry, Transport
 from common.weights import publish
 from grader.pool import GraderPool, open_grader
-from learner.batch import Batch, assemble, sampled_reward_stats
-from learner.loss import grpo_loss
+from learner.alarms import Alarms
+from learner.trainer import Trainer, disable_dropout
 
 log = logging.getLogger("learner")
 
@@ -62,19 +56,17 @@ class Learner:
         reference: Any = None,
     ):
         self.cfg = cfg
-        # The frozen starting policy for the KL penalty; it exists only when beta > 0 (no memory spent otherwise).
-        self.reference = reference
         self.transport = transport
         self.model = model
         self.tokenizer = tokenizer
         self.grader = grader
         self.metrics = metrics
         self.task = make_task(cfg.task.name, cfg.task.eval_size, cfg.run.seed)
-        lc = cfg.learner
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = pad_token_id(tokenizer, self.stop_ids)
-        self.device = next(model.parameters()).device
+        self.trainer = Trainer(cfg, model, self.pad_id, reference)
+        lc = cfg.learner
+        self.alarms = Alarms(lc.alarm_window, lc.alarm_clip_ratio, lc.alarm_zero_std)
         self.consumer = f"learner-{socket.gethostname()}-{os.getpid()}"
         self.version = 0
         self.step = 0
@@ -83,7 +75,6 @@ class Learner:
         self.dead = 0
         self.stop = threading.Event()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
-        self._generator = torch.Generator().manual_seed(cfg.run.seed)
         self._started = time.perf_counter()
 
     # -- the loop -----------------------------------------------------------------------------------------------
@@ -104,7 +95,7 @@ class Learner:
                 log.info("stopping at step %d of %d (asked to stop)", self.step, steps)
                 return 0
             t_train = time.perf_counter()
-            stats = self.train(batch.groups)
+            stats = self.trainer.step(batch.groups, self.version)
             self.transport.ack_trained(batch.ids)  # only now: the optimizer step that used them is done
             self.groups_consumed += len(batch.ids)
             self.metrics.groups_consumed.inc(len(batch.ids))
@@ -118,7 +109,9 @@ class Learner:
             now = time.perf_counter()
             stats |= {"time/step_s": now - last, "time/wait_s": batch.wait_s}
             last = now
-            self.record(self.describe(stats))
+            row = self.describe(stats)
+            self.record(row)
+            self.raise_alarms(row)
         self.transport.mark_done()
         log.info(
             "finished %d steps in %.1fs; %d groups trained",
@@ -210,105 +203,6 @@ class Learner:
             return "future"
         return None
 
-    def train(self, groups: list[GroupMessage]) -> dict[str, float]:
-        """One learner step on a batch: advantages → old log-probs → mini-batch updates → statistics."""
-        batch = assemble(groups, self.pad_id, self.version).to(self.device)
-        adv = self.advantages(batch)
-        old, is_weights, seen = self.old_logprobs(batch)
-        ref = self._scored(self.reference, batch)[0] if self.reference is not None else None
-        sums, first = self.update(batch, adv, old, is_weights, ref)
-        seen = seen or first  # behaviour mode: what the policy looked like, from the first mini-batch
-        stats: dict[str, float] = {k: v / sums["updates"] for k, v in sums.items() if k != "updates"}
-        stats |= sampled_reward_stats(groups)
-        stats |= seen
-        stats |= {
-            "completions/mean_length": float(batch.completion_lengths.mean()),
-            "completions/truncated_frac": float(batch.truncated.float().mean()),
-            "staleness/mean": float(batch.staleness.float().mean()),
-            "staleness/max": float(batch.staleness.max()),
-            "groups_forwarded_zero_std": float(sum(g.zero_std for g in groups)),
-            "tokens": float(batch.loss_mask.sum()),
-        }
-        if is_weights is not None:
-            w = is_weights[batch.loss_mask > 0]
-            stats |= {
-                "is_weight/mean": float(w.mean()),
-                "is_weight/max": float(w.max()),
-                "is_weight/truncated_frac": float((w >= self.cfg.learner.tis_cap).float().mean()),
-            }
-        return stats
-
-    def advantages(self, batch: Batch) -> torch.Tensor:
-        a = self.cfg.learner.advantage
-        rewards = batch.rewards
-        if self.cfg.run.shuffle_rewards:  # the control experiment: rewards no longer belong to their completions
-            perm = torch.randperm(len(rewards), generator=self._generator).to(rewards.device)
-            rewards = rewards[perm]
-        return group_advantages(rewards, batch.group_size, scale=a.scale, ddof=a.ddof, eps=a.eps).float()
-
-    def old_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-        """The ratio's denominator, the importance weights, and (proximal mode) entropy and engine mismatch."""
-        lc = self.cfg.learner
-        if lc.old_logprobs == "behavior":
-            # One forward pass cheaper: the ratio is taken against the engine's log-probs directly.
-            return batch.behaviour_logprobs, None, {}
-        prox, seen = self._scored(self.model, batch)
-        # Truncated importance sampling (AReaL): the tokens were sampled by the behaviour policy, not the proximal
-        # one, so each token's loss is weighted by min(π_prox / π_behaviour, C); the cap bounds the variance.
-        log_ratio = (prox - batch.behaviour_logprobs) * batch.loss_mask
-        return prox, torch.clamp(torch.exp(log_ratio), max=lc.tis_cap), seen
-
-    def update(
-        self,
-        batch: Batch,
-        adv: torch.Tensor,
-        old: torch.Tensor,
-        is_weights: torch.Tensor | None,
-        ref: torch.Tensor | None,
-    ) -> tuple[Counter[str], dict[str, float]]:
-        """``minibatches`` shuffled AdamW steps over the batch. Returns summed metrics and what the first
-        mini-batch's forward pass saw (the policy before any of this step's updates)."""
-        lc, temp, mask = self.cfg.learner, self.cfg.sampling.temperature, batch.loss_mask
-        sums: Counter[str] = Counter()
-        first: dict[str, float] = {}
-        order = torch.randperm(len(batch.rewards), generator=self._generator).to(self.device)
-        self.model.train()
-        for rows in (c for c in order.chunk(lc.minibatches) if len(c)):
-            logits = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits
-            logprobs = token_logprobs(logits[:, :-1], batch.input_ids[rows, 1:], temp)
-            if not first:
-                first = _observed(logits[:, :-1].detach(), batch, rows, temp)[1]
-            loss, m = grpo_loss(
-                logprobs,
-                old[rows],
-                adv[rows],
-                mask[rows],
-                loss_type=lc.loss_type,
-                epsilon_low=lc.epsilon_low,
-                epsilon_high=lc.epsilon_high,
-                beta=lc.beta,
-                ref_logprobs=None if ref is None else ref[rows],
-                max_completion_length=self.cfg.sampling.max_new_tokens,
-                is_weights=None if is_weights is None else is_weights[rows],
-                num_tokens=mask[rows].sum(),  # one optimizer step per mini-batch: its own token count
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip)
-            self.optimizer.step()
-            sums.update({"loss": loss.item(), "grad_norm": grad_norm.item(), "updates": 1, **m})
-        self.model.eval()
-        return sums, first
-
-    @torch.no_grad()
-    def _scored(self, model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Log-probs of the batch's tokens under ``model`` in eval mode (no grad; 0 outside the mask), with the
-        mean token entropy and the engine-vs-learner mismatch they show."""
-        temp = self.cfg.sampling.temperature
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        logprobs, seen = _observed(logits, batch, torch.arange(len(batch.rewards), device=logits.device), temp)
-        return logprobs * batch.loss_mask, seen
-
     def publish(self) -> dict[str, float]:
         wc = self.cfg.weights
         pub = publish(self.model, self.tokenizer, wc.dir, self.version, wc.keep)
@@ -354,7 +248,7 @@ class Learner:
             "staleness/mean": stats["staleness/mean"],
             "staleness/max": stats["staleness/max"],
             "loss": stats["loss"],
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": stats["lr"],
             "groups_consumed": self.groups_consumed,
             "groups_dropped": sum(self.dropped.values()),
             "groups_dead": self.dead,
@@ -365,6 +259,12 @@ class Learner:
         }
         row |= {k: v for k, v in stats.items() if k not in row and k != "tokens"}
         return row
+
+    def raise_alarms(self, row: dict[str, Any]) -> None:
+        for message in self.alarms.update(row):
+            log.warning("alarm: %s", message)
+        for kind, on in self.alarms.active.items():
+            self.metrics.alarm.labels(kind).set(int(on))
 
     def record(self, row: dict[str, Any]) -> None:
         with self.metrics_path.open("a") as f:
@@ -390,32 +290,17 @@ class Learner:
         m.step_seconds.observe(row["time/step_s"])
 
 
-def disable_dropout(model: torch.nn.Module) -> None:
-    """RL on a model with dropout would score the same tokens differently in each forward pass: the ratio would not
-    start at 1 and the importance weights would be noise. As TRL does, dropout is switched off."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
-def _observed(
-    logits: torch.Tensor, batch: Batch, rows: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token log-probs of ``rows`` (as common.grpo.token_logprobs), and over their completion tokens the policy's
-    mean entropy and the mean |learner − engine| log-prob, all from one log-softmax."""
-    mask = batch.loss_mask[rows]
-    n = mask.sum().clamp(min=1)
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-    logprobs = logp_all.gather(-1, batch.input_ids[rows, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    mismatch = (logprobs - batch.behaviour_logprobs[rows]).abs() * mask
-    return logprobs, {
-        "entropy": float((entropy * mask).sum() / n),
-        "mismatch/logprob_abs_mean": float(mismatch.sum() / n),
-    }
-
-
 # -- the process ------------------------------------------------------------------------------------------------
+
+
+def load_models(cfg: Config) -> tuple[Any, Any, Any]:
+    """Tokenizer, policy, and the frozen reference policy — loaded only when beta > 0, else None."""
+    tokenizer, model = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)
+    disable_dropout(model)
+    reference = None
+    if cfg.learner.beta > 0:
+        reference = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)[1].requires_grad_(False)
+    return tokenizer, model, reference
 
 
 def run_learner(cfg: Config) -> int:
@@ -449,11 +334,8 @@ def run_learner(cfg: Config) -> int:
     server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
     register_endpoint(cfg.run.dir, "learner", "learner", server.url)
     try:
-        tokenizer, model = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)
-        disable_dropout(model)
-        reference = None
-        if lc.beta > 0:
-            reference = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)[1].requires_grad_(False)
+        tokenizer, model, reference = load_models(cfg)
+        metrics.reference_loaded.set(int(reference is not None))
         learner = Learner(cfg, transport, model, tokenizer, grader, metrics, reference)
         stop = learner.stop
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -109,3 +109,43 @@ def grpo_loss(
         if kl is not None:
             metrics["kl"] = float((kl * mask).sum() / n)
     return loss, metrics
+
+
+def importance_weights(
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float = 2.0,
+    mode: str = "truncate",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token weights correcting for tokens sampled by a stale behaviour policy (AReaL's decoupled PPO).
+
+    With the proximal policy as the ratio's denominator, the surrogate's expectation is under π_prox while the tokens
+    came from π_behaviour; each token's loss is therefore weighted by w = π_prox / π_behaviour, bounded by ``cap`` C:
+
+    - ``truncate`` (truncated importance sampling, TIS): min(w, C) — high weights are cut, low ones kept;
+    - ``mask``: w inside [1/C, C], 0 outside — tokens the two policies disagree about are dropped altogether.
+
+    Metrics over the mask: ``is_weight/mean``, ``is_weight/max`` (after the cap), ``is_weight/truncated_frac`` (the
+    fraction of tokens whose raw weight was cut or dropped).
+    """
+    if mode not in ("truncate", "mask"):
+        raise ValueError(f"mode must be truncate or mask, not {mode!r}")
+    raw = torch.exp((proximal - behaviour) * mask)
+    if mode == "truncate":
+        weights = torch.clamp(raw, max=cap)
+        cut = raw > cap
+    else:
+        cut = (raw > cap) | (raw < 1.0 / cap)
+        weights = torch.where(cut, torch.zeros_like(raw), raw)
+    weights = weights * mask
+    with torch.no_grad():
+        on = mask > 0
+        n = on.sum().clamp(min=1)
+        metrics = {
+            "is_weight/mean": float(weights[on].sum() / n),
+            "is_weight/max": float(weights[on].max()) if on.any() else 0.0,
+            "is_weight/truncated_frac": float((cut & on).sum() / n),
+        }
+    return weights, metrics

@@ -100,7 +100,7 @@ def test_dapo_accumulation_equals_one_big_batch() -> None:
     assert torch.allclose(whole.grad, parts.grad, atol=1e-12)
 
 
-def _reference_loop(lp, old, adv, mask, loss_type, el, eh, beta, ref, lmax, w):  # type: ignore[no-untyped-def]
+def _reference_loop(lp, old, adv, mask, loss_type, el, eh, beta, ref, lmax, w, num_tokens=None):  # type: ignore[no-untyped-def]
     """The objective written token by token, straight from the formulas in learner/loss.py's docstring."""
     b, t = lp.shape
     per_seq, total, count = [], 0.0, 0.0
@@ -123,27 +123,40 @@ def _reference_loop(lp, old, adv, mask, loss_type, el, eh, beta, ref, lmax, w): 
         return sum(per_seq) / b
     if loss_type == "dr_grpo":
         return total / (b * lmax)
+    if loss_type == "dapo" and num_tokens is not None:
+        return total / num_tokens
     return total / max(count, 1.0)
 
 
-@pytest.mark.parametrize(("loss_type", "beta", "weighted"), itertools.product(LOSS_TYPES, [0.0, 0.04], [False, True]))
-def test_matches_a_plain_loop_with_gradients(loss_type: str, beta: float, weighted: bool) -> None:
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{loss_type}-{beta}-{weighted}".encode()))
+@pytest.mark.parametrize(
+    ("loss_type", "beta", "weighted", "eps", "given_tokens"),
+    itertools.product(LOSS_TYPES, [0.0, 0.04], [False, True], [(0.2, 0.28), (0.1, 0.1)], [False, True]),
+)
+def test_matches_a_plain_loop_with_gradients(
+    loss_type: str, beta: float, weighted: bool, eps: tuple[float, float], given_tokens: bool
+) -> None:
+    """Every combination of options, on random ragged batches (empty rows included), loss and gradients to 1e-6."""
+    el, eh = eps
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{loss_type}-{beta}-{weighted}-{eps}-{given_tokens}".encode()))
     for _ in range(3):
         b, t = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 7, (1,), generator=gen))
         lengths = torch.randint(0, t + 1, (b,), generator=gen)
-        mask = (torch.arange(t)[None, :] < lengths[:, None]).double()  # ragged, empty rows included
+        mask = (torch.arange(t)[None, :] < lengths[:, None]).double()
         base = torch.randn(b, t, generator=gen, dtype=torch.float64) * 0.4 - 1
         old = base + torch.randn(b, t, generator=gen, dtype=torch.float64) * 0.3  # ratios on both sides of the clip
         ref = base + torch.randn(b, t, generator=gen, dtype=torch.float64) * 0.2
         adv = torch.randn(b, generator=gen, dtype=torch.float64)
         w = torch.rand(b, t, generator=gen, dtype=torch.float64) * 2 if weighted else None
-        kw = dict(loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, beta=beta, max_completion_length=t)
+        # A step's token count larger than this micro-batch's, as under gradient accumulation.
+        n_tokens = float(mask.sum()) + 7 if given_tokens else None
+        kw = dict(loss_type=loss_type, epsilon_low=el, epsilon_high=eh, beta=beta, max_completion_length=t)
         a = base.clone().requires_grad_()
-        got, _ = grpo_loss(a, old, adv, mask, ref_logprobs=ref if beta else None, is_weights=w, **kw)
+        got, _ = grpo_loss(
+            a, old, adv, mask, ref_logprobs=ref if beta else None, is_weights=w, num_tokens=n_tokens, **kw
+        )
         got.backward()
         bb = base.clone().requires_grad_()
-        want = _reference_loop(bb, old, adv, mask, loss_type, 0.2, 0.28, beta, ref, t, w)
+        want = _reference_loop(bb, old, adv, mask, loss_type, el, eh, beta, ref, t, w, n_tokens)
         if isinstance(want, torch.Tensor) and want.requires_grad:
             want.backward()
             assert torch.allclose(a.grad, bb.grad, atol=1e-6)

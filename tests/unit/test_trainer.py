@@ -1,0 +1,169 @@
+"""learner.trainer on the tiny model, in-process: gradient accumulation, truncation masking, the off-policy modes,
+the learning-rate schedule, overlong shaping, and the reference model existing only when beta > 0."""
+
+from __future__ import annotations
+
+import copy
+import gc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import load_config
+from common.grpo import group_advantages, overlong_penalty
+from common.schemas import Completion, GroupMessage
+from learner.batch import assemble
+from learner.trainer import Trainer
+
+# captured_gradients replaces optimizer.step after the scheduler wrapped it; torch warns about exactly that.
+pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+    from common.models import load_pretrained
+
+    tok, model = load_pretrained(str(tiny_model_dir), "float32", "cpu")
+    return tok, model
+
+
+def groups_of(tok, model, versions: list[int], group: int = 4, truncated: bool = False) -> list[GroupMessage]:  # type: ignore[no-untyped-def]
+    """Groups of completions the model itself sampled (real behaviour log-probs), rewards 1, 0, 1, 0, ..."""
+    from common.generation import generate, stop_token_ids
+
+    torch.manual_seed(0)
+    prompts = [tok(f"{i}+{i + 1}=").input_ids for i in range(len(versions))]
+    sampled = generate(model, prompts, n=group, max_new_tokens=4, stop_ids=stop_token_ids(model, tok),
+                       pad_id=tok.pad_token_id, temperature=1.0)  # fmt: skip
+    out = []
+    for prompt, samples, version in zip(prompts, sampled, versions, strict=True):
+        comps = tuple(
+            Completion(
+                np.array(s.token_ids, np.int32),
+                np.array(s.logprobs, np.float32),
+                float(j % 2 == 0),
+                "length" if truncated else s.finish_reason,
+            )
+            for j, s in enumerate(samples)
+        )
+        out.append(GroupMessage("p", version, "t", np.array(prompt, np.int32), comps))
+    return out
+
+
+def trainer_for(model, *overrides: str) -> Trainer:  # type: ignore[no-untyped-def]
+    cfg = load_config(overrides=["learner.lr=1e-3", "actor.group_size=4", *overrides], env={})
+    return Trainer(cfg, copy.deepcopy(model), pad_id=0)
+
+
+def captured_gradients(trainer: Trainer, groups: list[GroupMessage]) -> list[torch.Tensor]:
+    """Run one step but, instead of applying the update, keep the gradient the optimizer would have used."""
+    grads: list[list[torch.Tensor]] = []
+    trainer.optimizer.step = lambda *a, **k: grads.append(  # type: ignore[method-assign]
+        [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in trainer.model.parameters()]
+    )
+    trainer.step(groups, version=0)
+    assert len(grads) == 1
+    return grads[0]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_gradient_accumulation_equals_one_big_mini_batch(policy, loss_type: str) -> None:  # type: ignore[no-untyped-def]
+    tok, model = policy
+    groups = groups_of(tok, model, [0, 0, 0, 0])  # 16 completions: 4 equal micro-batches of 4
+    base = ["learner.updates_per_batch=1", f"learner.loss_type={loss_type}", "learner.max_staleness=2"]
+    whole = captured_gradients(trainer_for(model, *base, "learner.grad_accum=1"), groups)
+    parts = captured_gradients(trainer_for(model, *base, "learner.grad_accum=4"), groups)
+    assert any(g.abs().sum() > 0 for g in whole)
+    for a, b in zip(whole, parts, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_truncated_completions_can_be_left_out_of_the_loss(policy) -> None:  # type: ignore[no-untyped-def]
+    tok, model = policy
+    cut = groups_of(tok, model, [0, 0], truncated=True)
+    kept = trainer_for(model).step(cut, version=0)
+    assert kept["tokens"] > 0 and kept["completions/truncated_frac"] == 1.0
+    masked = trainer_for(model, "learner.mask_truncated_completions=true")
+    stats = masked.step(cut, version=0)
+    assert stats["tokens"] == 0 and stats["grad_norm"] == 0.0
+
+
+def count_forwards(model) -> list[int]:  # type: ignore[no-untyped-def]
+    calls = [0]
+    model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_proximal_mode_scores_once_more_than_behaviour_mode(policy) -> None:  # type: ignore[no-untyped-def]
+    tok, model = policy
+    groups = groups_of(tok, model, [0, 0])
+    proximal = trainer_for(model, "learner.updates_per_batch=2", "learner.grad_accum=2")
+    behaviour = trainer_for(
+        model, "learner.updates_per_batch=2", "learner.grad_accum=2", "learner.old_logprobs=behavior"
+    )
+    p_calls, b_calls = count_forwards(proximal.model), count_forwards(behaviour.model)
+    p_stats = proximal.step(groups, version=0)
+    b_stats = behaviour.step(groups, version=0)
+    assert (p_calls[0], b_calls[0]) == (1 + 2 * 2, 2 * 2)
+    assert "is_weight/mean" in p_stats and "is_weight/mean" not in b_stats
+    # Same weights as the engine that sampled them: the ratio starts at 1, the weights are 1, nothing mismatches.
+    assert p_stats["is_weight/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert p_stats["mismatch/logprob_abs_mean"] < 1e-4 and b_stats["mismatch/logprob_abs_mean"] < 1e-4
+
+
+def test_mismatch_is_measured_only_at_the_same_policy_version(policy) -> None:  # type: ignore[no-untyped-def]
+    tok, model = policy
+    stats = trainer_for(model).step(groups_of(tok, model, [0, 0]), version=1)
+    assert "mismatch/logprob_abs_mean" not in stats and stats["staleness/mean"] == 1.0
+
+
+def test_learning_rate_warms_up_then_decays(policy) -> None:  # type: ignore[no-untyped-def]
+    tok, model = policy
+    t = trainer_for(model, "run.steps=2", "learner.updates_per_batch=2", "learner.warmup_steps=2",
+                    "learner.lr_schedule=linear")  # fmt: skip
+    seen, reported = [], []
+    for _ in range(2):
+        seen.append(t.lr)
+        reported.append(t.step(groups_of(tok, model, [0, 0]), version=0)["lr"])
+    assert reported == pytest.approx([1e-3, 0.5e-3])  # the rate of each learner step's last update
+    # 4 optimizer steps: warm-up 1/2, 2/2, then decay over the remaining 2: 1, 1/2 (and 0 after the last).
+    assert seen == pytest.approx([0.5e-3, 1e-3]) and t.lr == 0.0
+
+
+def test_overlong_penalty_is_added_before_grouping(policy) -> None:  # type: ignore[no-untyped-def]
+    tok, model = policy
+    t = trainer_for(model, "shaping.overlong_cache=2")
+    batch = assemble(groups_of(tok, model, [0]), 0, 0)
+    adv, shaping = t.advantages(batch)
+    lengths = batch.completion_lengths.long().tolist()
+    shaped = [r + p for r, p in zip(batch.rewards.tolist(), overlong_penalty(lengths, 4, 2), strict=True)]
+    assert adv.tolist() == pytest.approx(group_advantages(shaped, 4).tolist(), abs=1e-6)
+    assert shaping["reward/overlong_penalty"] == pytest.approx(sum(overlong_penalty(lengths, 4, 2)) / 4)
+
+
+def _live_models() -> int:
+    """Whole language models alive in this process (their inner base models are not counted)."""
+    import warnings
+
+    from transformers import GenerationMixin
+
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on some torch module objects warns about deprecations
+        return sum(isinstance(o, GenerationMixin) for o in gc.get_objects())
+
+
+def test_no_reference_model_exists_when_beta_is_0(tiny_model_dir: Path) -> None:
+    from learner.loop import load_models
+
+    before = _live_models()
+    _, model, reference = load_models(load_config(overrides=[f"model.path={tiny_model_dir}"], env={}))
+    assert reference is None and _live_models() == before + 1
+    del model
+    _, _model, reference = load_models(
+        load_config(overrides=[f"model.path={tiny_model_dir}", "learner.beta=0.04"], env={})
+    )
+    assert reference is not None and _live_models() == before + 2
+    assert not any(p.requires_grad for p in reference.parameters())
