@@ -23,12 +23,17 @@ DESIGN_KEYS = {
 }  # fmt: skip
 
 
-def group(tok, version: int, group_size: int = 4) -> bytes:  # type: ignore[no-untyped-def]
+def group(tok, version: int, group_size: int = 4, all_right: bool = False) -> bytes:  # type: ignore[no-untyped-def]
     prompt = tok("3+5=").input_ids
     eos = tok.eos_token_id
     answers = [[tok.convert_tokens_to_ids("8"), eos], [tok.convert_tokens_to_ids("9"), eos]]
     comps = tuple(
-        Completion(np.array(answers[i % 2], np.int32), np.array([-0.7, -0.2], np.float32), float(i % 2 == 0), "stop")
+        Completion(
+            np.array(answers[i % 2], np.int32),
+            np.array([-0.7, -0.2], np.float32),
+            float(all_right or i % 2 == 0),
+            "stop",
+        )
         for i in range(group_size)
     )
     return encode_group(GroupMessage("add-3-5", version, "test", np.array(prompt, np.int32), comps))
@@ -129,3 +134,16 @@ def test_kl_penalty_loads_a_reference_and_reports_kl(
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     kls = [r["kl"] for r in rows]
     assert all(k >= 0 for k in kls) and kls[-1] > kls[0] and kls[-1] > 0  # the policy moves away from the reference
+
+
+def test_a_zero_std_fraction_that_stays_high_raises_the_alarm(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    Transport(RedisConfig(url=redis_url), "al").produce([group(tok, v, all_right=True) for v in (0, 0, 1, 1, 2, 2)])
+    run_learner(processes, redis_url, tiny_model_dir, tmp_path, "al", 3, "learner.alarm_window=2",
+                "learner.alarm_zero_std=0.5")  # fmt: skip
+    log = (tmp_path / "learner.log").read_text()
+    assert log.count("alarm: frac_reward_zero_std above 0.5 for 2 steps") == 1, log
