@@ -229,6 +229,12 @@ class Config(_Section):
         if not self.actor.max_stream_groups:
             # One batch being read (pending) plus one waiting: staleness stays near 1 version.
             self.actor.max_stream_groups = 2 * self.learner.batch_groups
+        rows = self.learner.batch_groups * self.actor.group_size
+        if rows < self.learner.updates_per_batch * self.learner.grad_accum:
+            raise ValueError(
+                f"learner.updates_per_batch x learner.grad_accum ({self.learner.updates_per_batch} x "
+                f"{self.learner.grad_accum}) exceeds the {rows} completions of a batch: micro-batches would be empty"
+            )
         if self.shaping.overlong_cache >= self.sampling.max_new_tokens:
             raise ValueError(
                 f"shaping.overlong_cache ({self.shaping.overlong_cache}) must be below sampling.max_new_tokens "

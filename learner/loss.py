@@ -83,7 +83,7 @@ def grpo_loss(
     mask = mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype).unsqueeze(1)
 
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = torch.exp(torch.where(mask > 0, logprobs - old_logprobs, torch.zeros_like(logprobs)))
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
     per_token = -surrogate
     if is_weights is not None:
@@ -91,7 +91,9 @@ def grpo_loss(
     kl = None
     if beta > 0:
         assert ref_logprobs is not None
-        delta = ref_logprobs - logprobs
+        # Zero outside the mask before exp: a prompt or pad position the model finds very unlikely would otherwise
+        # overflow to inf, and inf·0 is NaN in the loss and its gradient.
+        delta = torch.where(mask > 0, ref_logprobs - logprobs, torch.zeros_like(logprobs))
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
         per_token = per_token + beta * kl
 

@@ -9,13 +9,15 @@ Departures from the textbook, each a config choice (the loss itself is learner.l
   ``behavior`` takes the engine's log-probs as the denominator, one forward pass cheaper, with no correction;
 - each batch is shuffled and split into ``updates_per_batch`` mini-batches, one AdamW step each, each made of
   ``grad_accum`` micro-batches whose gradients are accumulated; ``dapo`` divides by the whole mini-batch's token
-  count, the other loss types average their micro-batch losses (as TRL does);
+  count and ``grpo``/``dr_grpo`` weight each micro-batch by its share of rows, so accumulation does not change
+  their gradient (``bnpo``'s token mean is per micro-batch by definition); a non-finite update is skipped;
 - the learning rate warms up linearly over ``warmup_steps`` optimizer steps, then stays or decays (learner.schedule).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -104,7 +106,7 @@ class Trainer:
         lc = self.cfg.learner
         if lc.old_logprobs == "behavior":
             return batch.behaviour_logprobs, None, {}
-        prox, seen = self._scored(self.model, batch, mask)
+        prox, seen = self._scored(self.model, batch, mask, Seen())
         weights, w_stats = importance_weights(prox, batch.behaviour_logprobs, mask, cap=lc.tis_cap, mode=lc.is_mode)
         return prox, weights, seen | w_stats
 
@@ -117,27 +119,26 @@ class Trainer:
         is_weights: torch.Tensor | None,
         ref: torch.Tensor | None,
     ) -> tuple[dict[str, float], dict[str, float]]:
-        """``updates_per_batch`` AdamW steps over shuffled mini-batches of ``grad_accum`` micro-batches each.
-        Returns the metrics (token-weighted means) and what the first micro-batch saw before any update."""
+        """``updates_per_batch`` AdamW steps over shuffled mini-batches of ``grad_accum`` micro-batches each (sizes
+        as even as possible). Returns the metrics (token-weighted means) and, in behaviour mode, what the first
+        micro-batch saw before any update (proximal mode measured it in its scoring pass already)."""
         lc, temp = self.cfg.learner, self.cfg.sampling.temperature
         weighted: dict[str, float] = defaultdict(float)
         per_update: dict[str, float] = defaultdict(float)
-        first: dict[str, float] = {}
+        first = Seen() if lc.old_logprobs == "behavior" else None
         tokens_seen = 0.0
         used_lr = self.lr
         order = torch.randperm(len(batch.rewards), generator=self._generator).to(self.device)
-        minis = [rows for rows in order.chunk(lc.updates_per_batch) if len(rows)]
         self.model.train()
-        for rows in minis:
-            micros = [m for m in rows.chunk(lc.grad_accum) if len(m)]
+        for rows in order.tensor_split(lc.updates_per_batch):
             step_tokens = mask[rows].sum()
             self.optimizer.zero_grad(set_to_none=True)
-            for micro in micros:
+            for micro in rows.tensor_split(lc.grad_accum):
                 logits = self.model(input_ids=batch.input_ids[micro], attention_mask=batch.attention_mask[micro]).logits
                 logp_all = torch.log_softmax(logits[:, :-1].float() / temp, dim=-1)
                 logprobs = logp_all.gather(-1, batch.input_ids[micro, 1:].unsqueeze(-1)).squeeze(-1)
-                if not first:
-                    first = observed(logp_all.detach(), logprobs.detach(), batch, mask, micro)
+                if first is not None and not first.tokens:
+                    first.add(logp_all.detach(), logprobs.detach(), batch, mask, micro)
                 loss, m = grpo_loss(
                     logprobs,
                     old[micro],
@@ -154,45 +155,75 @@ class Trainer:
                     num_tokens=step_tokens,
                 )
                 if lc.loss_type != "dapo":
-                    loss = loss / len(micros)  # the other types average their micro-batch losses
+                    # The other types are means over their micro-batch's rows: weighting each by its share of the
+                    # mini-batch's rows makes grpo and dr_grpo equal to one big mini-batch (bnpo's token mean stays
+                    # per micro-batch, as its definition says).
+                    loss = loss * (len(micro) / len(rows))
                 loss.backward()
                 n = float(mask[micro].sum())
                 for k, v in m.items():
                     weighted[k] += v * n
                 tokens_seen += n
                 per_update["loss"] += loss.item()
-            per_update["grad_norm"] += torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip).item()
-            used_lr = self.lr
-            self.optimizer.step()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip)
+            if not torch.isfinite(grad_norm):
+                # One NaN/inf would poison every weight from here on: skip the update, and say so in the metrics.
+                per_update["updates_skipped_nonfinite"] += 1
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                per_update["grad_norm"] += grad_norm.item()
+                used_lr = self.lr
+                self.optimizer.step()
             self.scheduler.step()
         self.model.eval()
         stats = {k: v / max(tokens_seen, 1.0) for k, v in weighted.items()}
-        stats |= {k: v / len(minis) for k, v in per_update.items()}
+        stats |= {k: v / lc.updates_per_batch for k, v in per_update.items() if k != "updates_skipped_nonfinite"}
+        stats["updates_skipped_nonfinite"] = per_update["updates_skipped_nonfinite"]
         stats["lr"] = used_lr  # the rate the step's last update used
-        return stats, first
+        return stats, first.stats() if first is not None else {}
 
     @torch.no_grad()
-    def _scored(self, model: Any, batch: Batch, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Log-probs of the batch's tokens under ``model`` in eval mode (no grad; 0 outside the mask), and what they
-        show (see :func:`observed`)."""
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        logp_all = torch.log_softmax(logits.float() / self.cfg.sampling.temperature, dim=-1)
-        logprobs = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) * mask
-        rows = torch.arange(len(batch.rewards), device=logits.device)
-        return logprobs, observed(logp_all, logprobs, batch, mask, rows)
+    def _scored(
+        self, model: Any, batch: Batch, mask: torch.Tensor, seen: Seen | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Log-probs of the batch's tokens under ``model`` in eval mode (no grad; 0 outside the mask), scored in
+        chunks the size of a training micro-batch (so ``grad_accum`` bounds this pass's memory too), and, with
+        ``seen``, what the policy shows (see :class:`Seen`)."""
+        lc = self.cfg.learner
+        out = torch.zeros_like(mask)
+        for rows in torch.arange(len(batch.rewards), device=mask.device).tensor_split(
+            lc.updates_per_batch * lc.grad_accum
+        ):
+            logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits[:, :-1]
+            logp_all = torch.log_softmax(logits.float() / self.cfg.sampling.temperature, dim=-1)
+            logprobs = logp_all.gather(-1, batch.input_ids[rows, 1:].unsqueeze(-1)).squeeze(-1)
+            out[rows] = logprobs * mask[rows]
+            if seen is not None:
+                seen.add(logp_all, logprobs, batch, mask, rows)
+        return out, seen.stats() if seen is not None else {}
 
 
-def observed(
-    logp_all: torch.Tensor, logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, rows: torch.Tensor
-) -> dict[str, float]:
-    """Over the completion tokens of ``rows``: the policy's mean entropy, and the mean |learner − engine| log-prob
-    where both are the same policy version (groups with staleness 0), which measures the engine's numerical mismatch
-    alone; it is absent when no such group is in ``rows``."""
-    m = mask[rows]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    out = {"entropy": float((entropy * m).sum() / m.sum().clamp(min=1))}
-    fresh = m * (batch.row_staleness[rows] == 0).to(m.dtype).unsqueeze(1)
-    if fresh.sum() > 0:
-        diff = (logprobs - batch.behaviour_logprobs[rows]).abs() * fresh
-        out["mismatch/logprob_abs_mean"] = float(diff.sum() / fresh.sum())
-    return out
+@dataclass
+class Seen:
+    """What the policy shows over the completion tokens it is scored on: its mean entropy, and the mean
+    |learner − engine| log-prob where both are the same policy version (groups with staleness 0), which measures the
+    engine's numerical mismatch alone (absent when no such group was seen)."""
+
+    entropy: float = 0.0
+    tokens: float = 0.0
+    mismatch: float = 0.0
+    fresh_tokens: float = 0.0
+
+    def add(self, logp_all: torch.Tensor, logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, rows: torch.Tensor):
+        m = mask[rows]
+        self.entropy += float((-(logp_all.exp() * logp_all).sum(-1) * m).sum())
+        self.tokens += float(m.sum())
+        fresh = m * (batch.row_staleness[rows] == 0).to(m.dtype).unsqueeze(1)
+        self.mismatch += float(((logprobs - batch.behaviour_logprobs[rows]).abs() * fresh).sum())
+        self.fresh_tokens += float(fresh.sum())
+
+    def stats(self) -> dict[str, float]:
+        out = {"entropy": self.entropy / max(self.tokens, 1.0)}
+        if self.fresh_tokens:
+            out["mismatch/logprob_abs_mean"] = self.mismatch / self.fresh_tokens
+        return out

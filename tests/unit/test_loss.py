@@ -164,3 +164,15 @@ def test_matches_a_plain_loop_with_gradients(
             assert float(a.grad.abs().sum()) == 0.0
         want_value = want.item() if isinstance(want, torch.Tensor) else float(want)
         assert got.item() == pytest.approx(want_value, abs=1e-6)
+
+
+def test_masked_positions_cannot_overflow_into_nan() -> None:
+    """Prompt and pad positions may hold any log-prob; masked out, they must not turn the loss or its gradient NaN."""
+    logprobs = torch.tensor([[-300.0, -0.5, -0.7]], requires_grad=True)
+    old = torch.tensor([[0.0, -0.6, -0.7]])
+    ref = torch.tensor([[0.0, -0.4, -0.7]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    loss, m = grpo_loss(logprobs, old, torch.tensor([1.0]), mask, beta=0.04, ref_logprobs=ref)
+    loss.backward()
+    assert torch.isfinite(loss) and math.isfinite(m["kl"]) and torch.isfinite(logprobs.grad).all()
+    assert logprobs.grad[0, 0].item() == 0.0
