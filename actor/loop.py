@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -105,18 +106,22 @@ class Actor:
         log.debug("loaded weights v%d (%.1f MB) in %.3fs", ann.version, nbytes / 1e6, seconds)
 
     def wait_for_room(self) -> bool:
-        """Backpressure: while the stream holds more unconsumed groups than the bound, wait (a weights announcement
-        wakes us early). Returns False when the loop should re-check its exit conditions first."""
+        """Backpressure: while the stream holds more unread groups than the bound, wait (a weights announcement
+        wakes us early) instead of sampling with weights that will be stale by the time the learner reads them.
+        Returns False when the loop should re-check its exit conditions first."""
         bound = self.cfg.actor.max_stream_groups
-        if self.transport.stream_length() <= bound:
+        if self.transport.unread() < bound:
             return True
+        self._wait(lambda: self.transport.unread() >= bound)
+        return False
+
+    def _wait(self, blocked: Callable[[], bool]) -> None:
         t0 = time.perf_counter()
-        while not self.stop.is_set() and self.transport.stream_length() > bound:
+        while not self.stop.is_set() and blocked():
             self.heartbeat()  # waiting is working: the key must not expire
             if self._pubsub.get_message(timeout=0.2) is not None or self.transport.done_since(self._started_at):
                 break
         self.metrics.backpressure_seconds.inc(time.perf_counter() - t0)
-        return False
 
     def next_problems(self) -> list[Problem]:
         positions = self.transport.next_prompts(self.cfg.actor.prompts_per_round)
@@ -168,7 +173,14 @@ class Actor:
                 self._warn_forward_once()
             payloads.append(encode_group(self._message(problem, samples, r, decision is Decision.FORWARD)))
             self.pending_filtered = FilteredStats()
-        self.transport.produce(payloads, dict(counters))
+        # The bound is checked again with the writes, atomically: many actors together never overshoot it. A round
+        # that does not fit waits whole (never half a round), or is given up when the actor is asked to stop.
+        bound = self.cfg.actor.max_stream_groups
+        while self.transport.produce(payloads, dict(counters), bound=bound) is None:
+            if self.stop.is_set() or self.transport.done_since(self._started_at):
+                log.info("dropping an unsent round of %d groups: stopping", len(payloads))
+                return
+            self._wait(lambda: self.transport.unread() + len(payloads) > bound)
         self.groups_sent += len(payloads)
         self.rounds += 1
         self.metrics.groups_produced.inc(len(payloads))

@@ -54,6 +54,34 @@ local deleted = redis.call('XDEL', KEYS[1], unpack(ARGV, 3))
 if deleted > 0 then redis.call('HINCRBY', KEYS[2], ARGV[2], deleted) end
 return deleted
 """
+# Unread entries: XLEN minus the consumer group's pending count (no group yet: all of them).
+_UNREAD_LUA = """
+local function unread(stream, group)
+  local n = redis.call('XLEN', stream)
+  local ok, info = pcall(redis.call, 'XPENDING', stream, group)
+  if ok and info then n = n - info[1] end
+  return n
+end
+"""
+_UNREAD = _UNREAD_LUA + "return unread(KEYS[1], ARGV[1])"
+_PRODUCE = (
+    _UNREAD_LUA
+    + """
+local ncount = tonumber(ARGV[3])
+local first = 4 + 2 * ncount
+local npay = #ARGV - first + 1
+local bound = tonumber(ARGV[2])
+if npay > 0 and bound >= 0 then
+  local waiting = unread(KEYS[1], ARGV[1])
+  if waiting > 0 and waiting + npay > bound then return false end
+end
+local ids = {}
+for i = first, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'data', ARGV[i]) end
+if npay > 0 then redis.call('HINCRBY', KEYS[2], 'groups_produced', npay) end
+for i = 0, ncount - 1 do redis.call('HINCRBY', KEYS[2], ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
+return ids
+"""
+)
 _DEAD_LETTER = """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if redis.call('XDEL', KEYS[1], ARGV[2]) == 0 then return 0 end
@@ -158,6 +186,8 @@ class Transport:
         except ValueError as e:
             raise TransportError(f"redis.url {cfg.url!r}: {e}") from None
         self._settle_script = self.client.register_script(_SETTLE)
+        self._produce_script = self.client.register_script(_PRODUCE)
+        self._unread_script = self.client.register_script(_UNREAD)
         self._dead_script = self.client.register_script(_DEAD_LETTER)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
@@ -189,26 +219,32 @@ class Transport:
 
     # -- groups stream: actors --------------------------------------------------------------------------------
 
-    def produce(self, payloads: list[bytes], counters: dict[str, int] | None = None) -> list[str]:
-        """XADD groups and count them as produced, in one transaction: all of them or none.
+    def produce(
+        self, payloads: list[bytes], counters: dict[str, int] | None = None, *, bound: int | None = None
+    ) -> list[str] | None:
+        """XADD groups and count them as produced, atomically: all of them or none.
 
         ``counters`` are other ``stats`` increments of the same round, such as ``groups_filtered:zero_std`` for
-        groups that were sampled and not sent (they never enter the stream)."""
+        groups that were sampled and not sent (they never enter the stream). With ``bound``, nothing is written and
+        None is returned when the stream's unread groups plus these would exceed it (a round always fits an empty
+        stream): the check and the writes are one script, so many actors together never overshoot the bound."""
         counters = {k: n for k, n in (counters or {}).items() if n}
         if not payloads and not counters:
             return []
-        pipe = self.client.pipeline(transaction=True)
-        for payload in payloads:
-            pipe.xadd(self.keys.groups, {"data": payload})
-        if payloads:
-            pipe.hincrby(self.keys.stats, "groups_produced", len(payloads))
+        args: list[Any] = [CONSUMER_GROUP, -1 if bound is None else bound, len(counters)]
         for name, n in counters.items():
-            pipe.hincrby(self.keys.stats, name, n)
-        replies = self._do(pipe.execute)
-        return [as_text(i) for i in replies[: len(payloads)]]
+            args += [name, n]
+        reply = self._do(
+            lambda: self._produce_script(keys=[self.keys.groups, self.keys.stats], args=[*args, *payloads])
+        )
+        return None if reply is None else [as_text(i) for i in reply]
 
     def stream_length(self) -> int:
         return int(self._do(lambda: self.client.xlen(self.keys.groups)))
+
+    def unread(self) -> int:
+        """Groups in the stream that no learner has read yet (its length minus the pending entries)."""
+        return int(self._do(lambda: self._unread_script(keys=[self.keys.groups], args=[CONSUMER_GROUP])))
 
     def next_prompts(self, k: int) -> range:
         """Claim ``k`` consecutive prompt positions from the shared cursor (positions, not dataset indices)."""

@@ -198,3 +198,37 @@ def test_a_wrong_password_is_reported_at_once(tmp_path, caplog) -> None:  # type
         assert not [r for r in caplog.records if "reconnecting" in r.getMessage()]
     finally:
         server.stop()
+
+
+def test_bounded_produce_never_overshoots_and_refuses_whole_rounds(redis_url: str) -> None:
+    t = transport(redis_url)
+    t.ensure_consumer_group()
+    assert t.produce([b"x"] * 5, bound=4) is not None  # an empty stream takes any round
+    assert t.produce([b"y"], {"groups_filtered:zero_std": 3}, bound=4) is None  # 5 unread: refused, nothing counted
+    assert t.stats() == {"groups_produced": 5}
+    t.read("l", 3, 100)  # read groups are pending, not unread: room for 2 more
+    assert t.unread() == 2
+    assert t.produce([b"a", b"b"], bound=4) is not None
+    assert t.produce([b"c"], bound=4) is None
+    assert (t.unread(), t.stream_length(), t.stats()["groups_produced"]) == (4, 7, 7)
+
+
+def test_many_producers_together_respect_the_bound(redis_url: str) -> None:
+    import threading
+
+    t = transport(redis_url)
+    t.ensure_consumer_group()
+    sent = []
+
+    def actor() -> None:
+        mine = transport(redis_url)
+        for _ in range(20):
+            if mine.produce([b"g"] * 3, bound=10) is not None:
+                sent.append(3)
+
+    threads = [threading.Thread(target=actor) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert t.unread() == sum(sent) <= 10
