@@ -110,7 +110,7 @@ class ActorConfig(_Section):
     max_stream_groups: int = Field(
         0,
         ge=0,
-        description="backpressure: wait while the stream holds more groups; 0 = 2 x learner.batch_groups",
+        description="backpressure: actors wait while the stream holds this many unread groups; 0 = 2 x batch_groups",
     )
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="the actors:<id> key expires this long after a beat")
     torch_threads: int = Field(1, ge=1, description="torch CPU threads of each actor process")
@@ -227,7 +227,7 @@ class Config(_Section):
         if not self.weights.dir:
             self.weights.dir = str(Path(self.run.dir) / "weights")
         if not self.actor.max_stream_groups:
-            # One batch being read (pending) plus one waiting: staleness stays near 1 version.
+            # Two batches waiting to be read: the learner never starves, and staleness stays near 1 version.
             self.actor.max_stream_groups = 2 * self.learner.batch_groups
         rows = self.learner.batch_groups * self.actor.group_size
         if rows < self.learner.updates_per_batch * self.learner.grad_accum:
@@ -239,13 +239,6 @@ class Config(_Section):
             raise ValueError(
                 f"shaping.overlong_cache ({self.shaping.overlong_cache}) must be below sampling.max_new_tokens "
                 f"({self.sampling.max_new_tokens})"
-            )
-        if self.actor.max_stream_groups < self.learner.batch_groups:
-            # The learner's partly read batch counts towards the bound: below one batch, actors and learner
-            # would wait for each other forever.
-            raise ValueError(
-                f"actor.max_stream_groups ({self.actor.max_stream_groups}) must be at least learner.batch_groups "
-                f"({self.learner.batch_groups})"
             )
         return self
 

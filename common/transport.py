@@ -19,8 +19,8 @@ counts, so a crash can never separate the two:
     groups_produced = groups_trained + Σ groups_dropped:<reason> + groups_dead + XLEN(groups)
 
 The learner deletes (XDEL) each entry in the transaction that acknowledges it, so the stream only ever holds
-groups that are unread or pending; actors bound it with backpressure, never with MAXLEN (trimming could drop a
-group nobody has trained on). Groups an actor filters out never enter the stream and are counted apart as
+groups that are unread or pending; actors bound the unread ones with backpressure (checked in the script that
+writes them), never with MAXLEN (trimming could drop a group nobody has trained on). Groups an actor filters out never enter the stream and are counted apart as
 ``groups_filtered:<reason>``.
 """
 

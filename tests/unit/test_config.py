@@ -43,7 +43,7 @@ def test_yaml_then_env_then_overrides(tmp_path: Path) -> None:
         ("sampling.top_p=0.9", "sampling"),
         ("run.name=has space", "run.name"),
         ("grader.name=nope", "grader.name"),
-        ("actor.max_stream_groups=4", "actor.max_stream_groups"),
+        ("actor.max_stream_groups=-1", "actor.max_stream_groups"),
         ("run.steps=many", "run.steps"),
         ("learner.lr.x=1", "learner.lr"),
         ("nonsense", "override"),
