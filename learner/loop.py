@@ -31,7 +31,9 @@ from common.tasks import make_task
 from common.transport import StreamEntry, Transport
 from common.weights import publish
 from grader.pool import GraderPool, open_grader
+from learner import checkpoint
 from learner.alarms import Alarms
+from learner.checkpoint import Resumable
 from learner.trainer import Trainer, disable_dropout
 
 log = logging.getLogger("learner")
@@ -75,6 +77,10 @@ class Learner:
         self.dead = 0
         self.stop = threading.Event()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
+        # Trained since the last checkpoint, not yet acknowledged: the checkpoint that covers them acks them.
+        self.window_ids: list[str] = []
+        self.window_groups: list[str] = []
+        self.checkpointed_step = -1
         self._started = time.perf_counter()
 
     # -- the loop -----------------------------------------------------------------------------------------------
@@ -83,26 +89,36 @@ class Learner:
         self.transport.ensure_consumer_group()
         taken = self.transport.claim_pending(self.consumer)  # read by an earlier learner, never settled
         if taken:
-            log.info("took over %d groups an earlier learner had read and not trained on", len(taken))
+            log.info("took over %d groups an earlier learner had read and not settled", len(taken))
+        resumed = self.resume()
         self.transport.clear_done()  # a finished earlier run under this name must not stop today's actors
-        self.publish()  # actors align with the version the learner starts from
-        self.record({"step": 0, "policy_version": self.version, **self.evaluate()})
+        self.publish()  # actors align with the version the learner starts (or resumes) from
+        if not resumed:
+            self.record({"step": 0, "policy_version": self.version, **self.evaluate()})
         steps = self.cfg.run.steps
         last = time.perf_counter()
         while self.step < steps:
             batch = self.collect()
             if batch is None:
-                log.info("stopping at step %d of %d (asked to stop)", self.step, steps)
+                self.checkpoint()
+                log.info("stopped at step %d of %d (asked to stop); checkpoint written", self.step, steps)
                 return 0
             t_train = time.perf_counter()
             stats = self.trainer.step(batch.groups, self.version)
-            self.transport.ack_trained(batch.ids)  # only now: the optimizer step that used them is done
+            # The optimizer step is done; the groups are acknowledged by the checkpoint that covers it.
+            self.window_ids += batch.ids
+            self.window_groups += [g.group_id for g in batch.groups]
             self.groups_consumed += len(batch.ids)
             self.metrics.groups_consumed.inc(len(batch.ids))
             self.step += 1
             self.version = self.step
             stats["time/train_s"] = time.perf_counter() - t_train
-            if self.step % self.cfg.learner.publish_every == 0 or self.step == steps:
+            publishing = self.step % self.cfg.learner.publish_every == 0 or self.step == steps
+            # A published version is always checkpointed first: after a crash, the learner resumes at or after
+            # every version an actor may hold, so versions never go back or mean two different weights.
+            if publishing or self.step % self.cfg.checkpoint.every == 0:
+                stats |= self.checkpoint()
+            if publishing:
                 stats |= self.publish()
             if self.step % self.cfg.learner.eval_every == 0 or self.step == steps:
                 stats |= self.evaluate()
@@ -120,6 +136,54 @@ class Learner:
             self.groups_consumed,
         )
         return 0
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+
+    def checkpoint(self) -> dict[str, float]:
+        """Write the learner's whole state, then acknowledge the groups it covers (see learner.checkpoint)."""
+        if self.step == self.checkpointed_step and not self.window_ids:
+            return {}
+        t0 = time.perf_counter()
+        cc = self.cfg.checkpoint
+        state = Resumable(self.step, self.version, self.counters(), self.window_ids, self.window_groups)
+        t = self.trainer
+        checkpoint.save(cc.dir, state, self.model, t.optimizer, t.scheduler, t.generator, cc.keep)
+        self.transport.ack_trained(self.window_ids, self.window_groups, self.step, cc.dedup_window)
+        self.window_ids, self.window_groups = [], []
+        self.checkpointed_step = self.step
+        return {"time/checkpoint_s": time.perf_counter() - t0}
+
+    def counters(self) -> dict[str, Any]:
+        return {"groups_consumed": self.groups_consumed, "dropped": dict(self.dropped), "dead": self.dead}
+
+    def resume(self) -> bool:
+        """Continue from the newest checkpoint, if there is one: weights, optimizer, schedule, RNG, step and version
+        (so published versions continue their sequence). Groups it covers are acknowledged first; groups trained
+        after it were never acknowledged and are read again."""
+        path = checkpoint.latest(self.cfg.checkpoint.dir)
+        if path is None:
+            return False
+        t = self.trainer
+        r = checkpoint.load(path, self.model, t.optimizer, t.scheduler, t.generator)
+        self.step, self.version, self.checkpointed_step = r.step, r.version, r.step
+        self.groups_consumed = r.counters.get("groups_consumed", 0)
+        self.dropped = Counter(r.counters.get("dropped", {}))
+        self.dead = r.counters.get("dead", 0)
+        self.transport.ack_trained(r.covers, r.covers_groups, r.step, self.cfg.checkpoint.dedup_window)
+        self._truncate_metrics(r.step)
+        log.info("resumed from %s: step %d, policy version %d", path, r.step, r.version)
+        return True
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Rows of steps after the checkpoint are about to be trained again: drop them rather than repeat them."""
+        if not self.metrics_path.exists():
+            return
+        rows = [line for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+        if len(kept) < len(rows):
+            tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.metrics_path)
 
     # -- steps --------------------------------------------------------------------------------------------------
 
@@ -144,11 +208,14 @@ class Learner:
             if pending_after is not None:  # stranded entries first, then new ones once they run out
                 pending_after = entries[-1].id if len(entries) == asked else None
             drops: dict[str, list[str]] = {}
-            for entry in entries:
-                msg = self.decode(entry)
-                if msg is None:
-                    continue
-                reason = self.refusal(msg)
+            decoded = [(entry, msg) for entry in entries if (msg := self.decode(entry)) is not None]
+            trained = self.transport.trained_before([msg.group_id for _, msg in decoded])
+            for (entry, msg), seen in zip(decoded, trained, strict=True):
+                # The same group twice (an actor's write retried after a lost reply): it is trained once.
+                duplicate = (
+                    seen or msg.group_id in self.window_groups or any(g.group_id == msg.group_id for g in groups)
+                )
+                reason = "duplicate" if duplicate else self.refusal(msg)
                 if reason:
                     drops.setdefault(reason, []).append(entry.id)
                 else:

@@ -52,7 +52,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup=lc.warmup_steps, total=total, schedule=lc.lr_schedule)
         )
-        self._generator = torch.Generator().manual_seed(cfg.run.seed)
+        self.generator = torch.Generator().manual_seed(cfg.run.seed)
 
     @property
     def lr(self) -> float:
@@ -95,7 +95,7 @@ class Trainer:
             rewards = rewards + torch.tensor(penalty, dtype=rewards.dtype, device=rewards.device)
             shaping = {"reward/overlong_penalty": sum(penalty) / len(penalty)}
         if self.cfg.run.shuffle_rewards:  # the control experiment: rewards no longer belong to their completions
-            rewards = rewards[torch.randperm(len(rewards), generator=self._generator).to(rewards.device)]
+            rewards = rewards[torch.randperm(len(rewards), generator=self.generator).to(rewards.device)]
         a = self.cfg.learner.advantage
         return group_advantages(rewards, batch.group_size, scale=a.scale, ddof=a.ddof, eps=a.eps).float(), shaping
 
@@ -128,7 +128,7 @@ class Trainer:
         first = Seen() if lc.old_logprobs == "behavior" else None
         tokens_seen = 0.0
         used_lr = self.lr
-        order = torch.randperm(len(batch.rewards), generator=self._generator).to(self.device)
+        order = torch.randperm(len(batch.rewards), generator=self.generator).to(self.device)
         self.model.train()
         for rows in order.tensor_split(lc.updates_per_batch):
             step_tokens = mask[rows].sum()

@@ -169,3 +169,45 @@ def test_no_reference_model_exists_when_beta_is_0(tiny_model_dir: Path) -> None:
     )
     assert reference is not None and _live_models() == before + 2
     assert not any(p.requires_grad for p in reference.parameters())
+
+
+def test_a_checkpoint_resumes_training_exactly(policy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Model, optimizer, schedule and RNG come back: the next step after a resume equals the uninterrupted one."""
+    from learner import checkpoint
+    from learner.checkpoint import Resumable
+
+    tok, model = policy
+    overrides = ("learner.warmup_steps=3", "learner.lr_schedule=cosine", "run.steps=4")
+    a = trainer_for(model, *overrides)
+    batches = [groups_of(tok, model, [0, 0]) for _ in range(3)]
+    for g in batches[:2]:
+        a.step(g, version=0)
+    path = checkpoint.save(tmp_path, Resumable(2, 2, {"groups_consumed": 4}, ["1-0"], ["g"]), a.model, a.optimizer,
+                           a.scheduler, a.generator, keep=2)  # fmt: skip
+    assert checkpoint.latest(tmp_path) == path
+    assert {p.name for p in path.iterdir()} >= {"model.safetensors", "optimizer.safetensors", "rng.safetensors",
+                                                "state.json", "config.json"}  # fmt: skip
+    rng_after_save = torch.get_rng_state()
+
+    b = trainer_for(model, *overrides)  # a fresh process: the starting weights, a new optimizer
+    r = checkpoint.load(path, b.model, b.optimizer, b.scheduler, b.generator)
+    assert (r.step, r.version, r.counters, r.covers, r.covers_groups) == (2, 2, {"groups_consumed": 4}, ["1-0"], ["g"])
+    assert torch.equal(torch.get_rng_state(), rng_after_save)
+    assert b.lr == a.lr
+    torch.set_rng_state(rng_after_save)
+    a.step(batches[2], version=2)
+    torch.set_rng_state(rng_after_save)
+    b.step(batches[2], version=2)
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+def test_only_the_newest_checkpoints_are_kept(policy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from learner import checkpoint
+    from learner.checkpoint import Resumable
+
+    _, model = policy
+    t = trainer_for(model)
+    for step in range(1, 5):
+        checkpoint.save(tmp_path, Resumable(step, step), t.model, t.optimizer, t.scheduler, t.generator, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004"]
