@@ -1,16 +1,20 @@
 """Generation engines. Every engine returns, per prompt, ``group_size`` :class:`common.generation.Sample` s
 (token ids, behaviour log-probs at the sampling temperature, finish reason) and can load a published version.
 
-``local``: transformers on this process's CPU or GPU (the embedded default). The ``sglang`` engine (a client of a
-SGLang server) returns the same type.
+``local``: transformers on this process's CPU or GPU (the embedded default). ``sim``: no model at all, random tokens
+at ``actor.sim_tokens_per_s``, for load tests of the pipeline around the engine. The ``sglang`` engine (a client of
+a SGLang server) returns the same type.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from common.config import Config
@@ -61,7 +65,52 @@ class LocalEngine:
         return nbytes
 
 
+class SimEngine:
+    """Uniformly random completions, produced no faster than ``actor.sim_tokens_per_s``: a load generator.
+
+    Each completion has a random length up to ``sampling.max_new_tokens`` and ends with end-of-sequence when shorter;
+    its log-probs are exact for uniform sampling (-log V per token). Weights are loaded and verified as a real
+    engine would (same I/O, same sha256 check) and then discarded; only the tokenizer is loaded."""
+
+    def __init__(self, cfg: Config, seed: int):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.vocab = len(self.tokenizer)
+        self.eos = self.tokenizer.eos_token_id
+        self.rng = np.random.default_rng(seed)
+        self.version = 0
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[Sample]]:
+        t0 = time.perf_counter()
+        limit = self.cfg.sampling.max_new_tokens
+        logp = -math.log(self.vocab)
+        groups, tokens = [], 0
+        for _ in prompts:
+            group = []
+            for length in self.rng.integers(1, limit + 1, size=n):
+                ids = [
+                    t if t != self.eos else (t + 1) % self.vocab for t in self.rng.integers(0, self.vocab, int(length))
+                ]
+                stopped = length < limit and self.eos is not None
+                if stopped:
+                    ids[-1] = self.eos
+                group.append(Sample(ids, [logp] * len(ids), "stop" if stopped else "length"))
+                tokens += len(ids)
+            groups.append(group)
+        time.sleep(max(0.0, tokens / self.cfg.actor.sim_tokens_per_s - (time.perf_counter() - t0)))
+        return groups
+
+    def load(self, ann: WeightsAnnouncement) -> int:
+        _, nbytes = load_state_dict(ann)
+        self.version = ann.version
+        return nbytes
+
+
 def make_engine(cfg: Config, seed: int) -> Engine:
     if cfg.actor.engine == "local":
         return LocalEngine(cfg, seed)
+    if cfg.actor.engine == "sim":
+        return SimEngine(cfg, seed)
     raise ValueError(f"unknown engine {cfg.actor.engine!r}")

@@ -1,8 +1,10 @@
 """The ``grpo`` command. Subcommands are entry points of the group ``grpo.commands`` (see pyproject.toml): each role
 registers its own, so this module knows no role, and heavy libraries are imported only after arguments parse.
 
-A user's mistake (invalid config, unreachable Redis, missing model path) is one line on stderr and exit code 2;
-anything else is a bug and keeps its traceback.
+Exit codes: 0 done (or stopped on request); 2 a user's mistake (invalid config, Redis unreachable at start or a
+refused password, missing model path), one line on stderr; 3 Redis lost mid-run and still unreachable after
+``redis.retries`` reconnect attempts (a supervisor restarts the process; nothing is lost, see the README's "Operating
+it"); 130 Ctrl-C. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from importlib.metadata import entry_points
 from common.config import Config, ConfigError, load_config
 
 EXIT_USAGE = 2
+EXIT_REDIS_LOST = 3
 
 
 def _commands() -> dict[str, object]:
@@ -54,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in commands:
         print(f"grpo: unknown command {name!r}; choose from {', '.join(sorted(commands))}", file=sys.stderr)
         return EXIT_USAGE
+    import redis
+
     from common.transport import TransportError
 
     try:
@@ -62,6 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, TransportError) as e:
         print(f"grpo {name}: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        # Only raised once the transport's bounded reconnects (logged "attempt i/n") are used up.
+        print(
+            f"grpo {name}: lost Redis and could not reconnect within redis.retries attempts ({e}); exiting",
+            file=sys.stderr,
+        )
+        return EXIT_REDIS_LOST
     except KeyboardInterrupt:
         return 130
 

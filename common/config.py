@@ -4,8 +4,8 @@ Every process (``grpo run``, ``grpo learner``, ``grpo actor``) loads the same tr
 
 1. the defaults below (they are the CPU demo: single-digit addition on a tiny model);
 2. one YAML file (``--config FILE``);
-3. the environment, for secrets and deployment settings: ``GRPO_REDIS_URL``, ``GRPO_REDIS_PASSWORD``,
-   ``GRPO_RUN_NAME``, ``GRPO_RUN_DIR``, ``GRPO_MODEL_PATH``;
+3. the environment, for secrets and deployment settings: ``GRPO_REDIS_URL``, ``GRPO_REDIS_USERNAME``,
+   ``GRPO_REDIS_PASSWORD``, ``GRPO_RUN_NAME``, ``GRPO_RUN_DIR``, ``GRPO_MODEL_PATH``;
 4. ``-o key=value`` dotted overrides from the command line (values are parsed as YAML: ``-o learner.lr=1e-3``).
 
 Invalid values raise :class:`ConfigError` whose message is one line per problem, naming the field; the CLI prints it
@@ -51,9 +51,26 @@ class RunConfig(_Section):
 
 class RedisConfig(_Section):
     url: str = Field("", description="redis:// or rediss:// URL; empty under `grpo run` = a private server")
+    username: str = Field("", description="ACL user (overrides the URL's); env GRPO_REDIS_USERNAME")
     password: SecretStr | None = Field(None, description="overrides the URL's password; env GRPO_REDIS_PASSWORD")
+    tls_ca_file: str = Field("", description="rediss:// only: CA bundle that signed the server's certificate")
+    tls_cert_file: str = Field("", description="rediss:// only: client certificate, for servers that require one")
+    tls_key_file: str = Field("", description="rediss:// only: the client certificate's private key")
     socket_timeout_s: float = Field(30.0, gt=0, description="seconds before a Redis command times out")
-    retries: int = Field(5, ge=0, description="attempts per Redis command on connection errors, with backoff")
+    retries: int = Field(
+        10,
+        ge=0,
+        description="reconnect attempts per Redis command on connection errors (backoff 0.1 s doubling up to "
+        "backoff_max_s); past them the process exits with code 3",
+    )
+    backoff_max_s: float = Field(5.0, gt=0, description="longest wait between two reconnect attempts")
+
+    @model_validator(mode="after")
+    def _tls_needs_rediss(self) -> RedisConfig:
+        tls = [n for n in ("tls_ca_file", "tls_cert_file", "tls_key_file") if getattr(self, n)]
+        if tls and self.url and not self.url.startswith("rediss://"):
+            raise ValueError(f"{tls[0]} is set but redis.url is not rediss:// (TLS)")
+        return self
 
 
 class ModelConfig(_Section):
@@ -98,7 +115,11 @@ class GraderConfig(_Section):
 
 class ActorConfig(_Section):
     id: str = Field("", description="empty = <hostname>-<pid>")
-    engine: Literal["local"] = Field("local", description="generation engine: local = transformers in-process")
+    engine: Literal["local", "sim"] = Field(
+        "local",
+        description="generation engine: local = transformers in-process; sim = random tokens, for load tests",
+    )
+    sim_tokens_per_s: float = Field(2000.0, gt=0, description="sim engine: tokens per second it produces")
     group_size: int = Field(8, ge=2, description="completions per prompt (G); below 2 there is no baseline")
     prompts_per_round: int = Field(16, ge=1, description="prompts generated together in one engine call")
     filter_zero_std: bool = Field(True, description="DAPO dynamic sampling: drop groups whose rewards are all equal")
@@ -202,6 +223,20 @@ class WeightsConfig(_Section):
     keep: int = Field(3, ge=2, description="published versions kept on disk (older ones are deleted)")
 
 
+class CheckpointConfig(_Section):
+    dir: str = Field("", description="where checkpoints go; empty = <run.dir>/checkpoints")
+    every: int = Field(
+        1,
+        ge=1,
+        description="checkpoint every this many steps (and before each publish, on SIGTERM and at the last step); "
+        "groups are acknowledged once a checkpoint covers them, so a crash retrains at most this many steps",
+    )
+    keep: int = Field(2, ge=1, description="checkpoints kept on disk (older ones are deleted)")
+    dedup_window: int = Field(
+        10_000, ge=1, description="steps for which trained group ids are remembered to drop a group delivered twice"
+    )
+
+
 class MetricsConfig(_Section):
     host: str = Field("127.0.0.1", description="address /metrics and /healthz bind to")
     port: int = Field(0, ge=0, le=65535, description="0 = any free port (reported in endpoints.json)")
@@ -218,6 +253,7 @@ class Config(_Section):
     actor: ActorConfig = ActorConfig()
     learner: LearnerConfig = LearnerConfig()
     weights: WeightsConfig = WeightsConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
@@ -226,6 +262,8 @@ class Config(_Section):
             self.run.dir = str(Path("runs") / self.run.name)
         if not self.weights.dir:
             self.weights.dir = str(Path(self.run.dir) / "weights")
+        if not self.checkpoint.dir:
+            self.checkpoint.dir = str(Path(self.run.dir) / "checkpoints")
         if not self.actor.max_stream_groups:
             # Two batches waiting to be read: the learner never starves, and staleness stays near 1 version.
             self.actor.max_stream_groups = 2 * self.learner.batch_groups
@@ -267,6 +305,7 @@ def mask_url(url: str) -> str:
 # Environment variables read into the tree; the names are documented in the README.
 ENV_KEYS: dict[str, str] = {
     "GRPO_REDIS_URL": "redis.url",
+    "GRPO_REDIS_USERNAME": "redis.username",
     "GRPO_REDIS_PASSWORD": "redis.password",
     "GRPO_RUN_NAME": "run.name",
     "GRPO_RUN_DIR": "run.dir",
@@ -339,6 +378,7 @@ def load_config(
         raise ConfigError(_format_errors(e)) from None
     cfg.run.dir = str(Path(cfg.run.dir).expanduser().resolve())
     cfg.weights.dir = str(Path(cfg.weights.dir).expanduser().resolve())
+    cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).expanduser().resolve())
     return cfg
 
 

@@ -232,6 +232,8 @@ def summarise(rows: list[dict[str, Any]], balance: Any, wall_s: float) -> dict[s
         "groups_dropped": balance.dropped,
         "groups_dead": balance.dead,
         "groups_in_stream": balance.in_stream,
+        "groups_pending": balance.pending,
+        "groups_unread": balance.unread,
         "groups_filtered": balance.filtered,
         "unexplained": balance.unexplained,
         "equation": balance.equation(),

@@ -11,6 +11,7 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 ``actors:<id>``        string+TTL  heartbeat (JSON: version, pid, groups sent)
 ``stats``              hash        durable counters, see below
 ``done``               string      set by the learner after its last step; actors exit when they see it
+``trained_ids``        sorted set  group ids trained on, by step (a bounded window), to train a duplicate once
 =====================  ==========  ======================================================================
 
 Accounting. Every counter in ``stats`` is bumped in the same MULTI/EXEC transaction as the stream operation it
@@ -20,8 +21,8 @@ counts, so a crash can never separate the two:
 
 The learner deletes (XDEL) each entry in the transaction that acknowledges it, so the stream only ever holds
 groups that are unread or pending; actors bound the unread ones with backpressure (checked in the script that
-writes them), never with MAXLEN (trimming could drop a group nobody has trained on). Groups an actor filters out never enter the stream and are counted apart as
-``groups_filtered:<reason>``.
+writes them), never with MAXLEN (trimming could drop a group nobody has trained on). Groups an actor filters out
+never enter the stream and are counted apart as ``groups_filtered:<reason>``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.connection import parse_url
 from redis.retry import Retry
 
 from common.config import RedisConfig
@@ -52,6 +54,18 @@ _SETTLE = """
 redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3))
 local deleted = redis.call('XDEL', KEYS[1], unpack(ARGV, 3))
 if deleted > 0 then redis.call('HINCRBY', KEYS[2], ARGV[2], deleted) end
+return deleted
+"""
+# Trained groups are also remembered by group id (scored by learner step, the oldest forgotten), so a group delivered
+# twice (an actor's write retried after a lost reply) is recognised and trained once.
+_SETTLE_TRAINED = """
+local n = tonumber(ARGV[4])
+local ids = {unpack(ARGV, 5, 4 + n)}
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
+local deleted = redis.call('XDEL', KEYS[1], unpack(ids))
+if deleted > 0 then redis.call('HINCRBY', KEYS[2], 'groups_trained', deleted) end
+for i = 5 + n, #ARGV do redis.call('ZADD', KEYS[3], ARGV[2], ARGV[i]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[3])
 return deleted
 """
 # Unread entries: XLEN minus the consumer group's pending count (no group yet: all of them).
@@ -108,6 +122,7 @@ class Keys:
         self.prompts_cursor = self.prefix + "prompts:cursor"
         self.stats = self.prefix + "stats"
         self.done = self.prefix + "done"
+        self.trained_ids = self.prefix + "trained_ids"
 
     def actor(self, actor_id: str) -> str:
         return f"{self.prefix}actors:{actor_id}"
@@ -126,8 +141,8 @@ class StreamEntry:
 class _LoggingRetry(Retry):
     """redis-py's bounded retry with backoff, logging ``attempt i/n`` and counting reconnects."""
 
-    def __init__(self, retries: int, on_retry: Callable[[], None]):
-        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), retries)
+    def __init__(self, retries: int, backoff_max_s: float, on_retry: Callable[[], None]):
+        super().__init__(ExponentialBackoff(cap=backoff_max_s, base=0.05), retries)
         self._on_retry = on_retry
 
     def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[no-untyped-def, override]
@@ -172,20 +187,30 @@ class Transport:
         self.keys = Keys(run)
         self._cfg = cfg
         self._on_error = on_error
-        password = cfg.password.get_secret_value() if cfg.password else None
+        auth: dict[str, Any] = {}
+        if cfg.username:
+            auth["username"] = cfg.username
+        if cfg.password:
+            auth["password"] = cfg.password.get_secret_value()
+        tls = {"ssl_ca_certs": cfg.tls_ca_file, "ssl_certfile": cfg.tls_cert_file, "ssl_keyfile": cfg.tls_key_file}
+        auth |= {k: v for k, v in tls.items() if v}  # rediss:// verifies the server's certificate by default
         try:
-            self.client = redis.Redis.from_url(
-                cfg.url,
-                password=password,
-                socket_timeout=cfg.socket_timeout_s,
-                socket_connect_timeout=min(cfg.socket_timeout_s, 10.0),
-                health_check_interval=30,
-                retry=_LoggingRetry(cfg.retries, on_reconnect),
-                retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-            )
+            # The URL is parsed here rather than by from_url, where the URL's user and password would win over
+            # the config's (which come from the environment or a secret, and must win).
+            options = parse_url(cfg.url) | auth
         except ValueError as e:
             raise TransportError(f"redis.url {cfg.url!r}: {e}") from None
+        pool = redis.ConnectionPool(
+            **options,
+            socket_timeout=cfg.socket_timeout_s,
+            socket_connect_timeout=min(cfg.socket_timeout_s, 10.0),
+            health_check_interval=30,
+            retry=_LoggingRetry(cfg.retries, cfg.backoff_max_s, on_reconnect),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        )
+        self.client = redis.Redis(connection_pool=pool)
         self._settle_script = self.client.register_script(_SETTLE)
+        self._settle_trained_script = self.client.register_script(_SETTLE_TRAINED)
         self._produce_script = self.client.register_script(_PRODUCE)
         self._unread_script = self.client.register_script(_UNREAD)
         self._dead_script = self.client.register_script(_DEAD_LETTER)
@@ -216,6 +241,7 @@ class Transport:
 
     def close(self) -> None:
         self.client.close()
+        self.client.connection_pool.disconnect()  # a pool passed in is not closed by the client
 
     # -- groups stream: actors --------------------------------------------------------------------------------
 
@@ -312,9 +338,24 @@ class Transport:
                 keys=[self.keys.groups, self.keys.stats], args=[CONSUMER_GROUP, counter, *c]
             ))  # fmt: skip
 
-    def ack_trained(self, ids: list[str]) -> None:
-        """After the optimizer step that used them: XACK + XDEL + groups_trained, atomically."""
-        self._settle(ids, "groups_trained")
+    def ack_trained(self, ids: list[str], group_ids: list[str], step: int = 0, window: int = 10_000) -> None:
+        """After the optimizer step that used them (and the checkpoint that covers it): XACK + XDEL +
+        groups_trained, and remember the group ids for ``window`` steps, atomically."""
+        for i in range(0, len(ids), _SCRIPT_CHUNK):
+            part, gids = ids[i : i + _SCRIPT_CHUNK], group_ids[i : i + _SCRIPT_CHUNK]
+            self._do(
+                lambda p=part, g=gids: self._settle_trained_script(  # type: ignore[misc]
+                    keys=[self.keys.groups, self.keys.stats, self.keys.trained_ids],
+                    args=[CONSUMER_GROUP, step, step - window, len(p), *p, *g],
+                )
+            )
+
+    def trained_before(self, group_ids: list[str]) -> list[bool]:
+        """Whether each group id was trained on already (within the remembered window)."""
+        if not group_ids:
+            return []
+        scores = self._do(lambda: self.client.zmscore(self.keys.trained_ids, group_ids))
+        return [s is not None for s in scores]
 
     def drop(self, ids: list[str], reason: str) -> None:
         """Groups the learner refuses (e.g. too stale): XACK + XDEL + groups_dropped:<reason>, atomically."""
@@ -387,6 +428,12 @@ class Balance:
     dead: int
     in_stream: int  # unread + pending (acked entries are deleted)
     filtered: dict[str, int]
+    unread: int = 0  # in the stream, not yet read by a learner
+    # (the rest of in_stream is pending: read, and waiting for the checkpoint that covers its step)
+
+    @property
+    def pending(self) -> int:
+        return self.in_stream - self.unread
 
     @property
     def unexplained(self) -> int:
@@ -397,7 +444,7 @@ class Balance:
         ok = "balanced" if self.unexplained == 0 else f"UNEXPLAINED {self.unexplained}"
         return (
             f"produced {self.produced} = trained {self.trained} + dropped {dropped} + dead {self.dead}"
-            f" + in stream {self.in_stream}  ({ok})"
+            f" + pending {self.pending} + unread {self.unread}  ({ok})"
         )
 
 
@@ -406,7 +453,8 @@ def read_balance(t: Transport) -> Balance:
     pipe = t.client.pipeline(transaction=True)
     pipe.hgetall(t.keys.stats)
     pipe.xlen(t.keys.groups)
-    raw, xlen = t._do(pipe.execute)
+    t._unread_script(keys=[t.keys.groups], args=[CONSUMER_GROUP], client=pipe)
+    raw, xlen, unread = t._do(pipe.execute)
     s = {as_text(k): int(v) for k, v in raw.items()}
     return Balance(
         produced=s.get("groups_produced", 0),
@@ -415,4 +463,5 @@ def read_balance(t: Transport) -> Balance:
         dead=s.get("groups_dead", 0),
         in_stream=int(xlen),
         filtered={k.split(":", 1)[1]: v for k, v in s.items() if k.startswith("groups_filtered:")},
+        unread=int(unread),
     )

@@ -84,6 +84,10 @@ def publish(model: Any, tokenizer: Any, root: str | os.PathLike[str], version: i
 
 
 def prune(root: str | os.PathLike[str], keep: int) -> None:
+    """Keep the newest ``keep`` versions. Also removes half-written ``.tmp-*`` copies of a killed publisher: the
+    learner is a run's only publisher, and it calls this after its own copy was renamed into place."""
+    for leftover in Path(root).glob(".tmp-v*"):
+        shutil.rmtree(leftover, ignore_errors=True)
     versions = sorted(
         (int(m.group(1)), p) for p in Path(root).iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()
     )

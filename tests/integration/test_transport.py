@@ -47,7 +47,7 @@ def test_produce_read_ack_balances(redis_url: str) -> None:
     assert t.client.xpending(t.keys.groups, "learners")["pending"] == 3
     b = read_balance(t)
     assert (b.produced, b.trained, b.in_stream, b.unexplained) == (3, 0, 3, 0)
-    t.ack_trained([got[0].id, got[1].id])
+    t.ack_trained([got[0].id, got[1].id], ["g1", "g2"])
     t.drop([got[2].id], "stale")
     b = read_balance(t)
     assert (b.trained, b.dropped, b.in_stream, b.filtered, b.unexplained) == (2, {"stale": 1}, 0, {"zero_std": 5}, 0)
@@ -77,7 +77,7 @@ def test_a_new_learner_reclaims_what_a_dead_one_left_pending(redis_url: str) -> 
     assert [e.payload for e in reclaimed] == [b"a", b"b"]
     rest = t.read("learner-new", 10, 100)
     assert [e.payload for e in rest] == [b"c"]
-    t.ack_trained([e.id for e in reclaimed + rest])
+    t.ack_trained([e.id for e in reclaimed + rest], ["a", "b", "c"])
     assert read_balance(t).unexplained == 0
 
 
@@ -162,7 +162,7 @@ def test_settling_twice_counts_once(redis_url: str) -> None:
     t.produce([b"a", b"b", b"c"])
     a, b, c = t.read("l", 3, 100)
     for _ in range(2):
-        t.ack_trained([a.id])
+        t.ack_trained([a.id], ["ga"])
         t.drop([b.id], "stale")
         t.dead_letter(c, "bad")
     bal = read_balance(t)
@@ -232,3 +232,14 @@ def test_many_producers_together_respect_the_bound(redis_url: str) -> None:
     for th in threads:
         th.join()
     assert t.unread() == sum(sent) <= 10
+
+
+def test_trained_group_ids_are_remembered_for_a_window(redis_url: str) -> None:
+    t = transport(redis_url)
+    t.ensure_consumer_group()
+    t.produce([b"a", b"b", b"c"])
+    a, b, c = t.read("l", 3, 100)
+    t.ack_trained([a.id], ["ga"], step=1, window=5)
+    t.ack_trained([b.id, c.id], ["gb", "gc"], step=7, window=5)  # step 1 is now outside the window
+    assert t.trained_before(["ga", "gb", "gc", "gx"]) == [False, True, True, False]
+    assert read_balance(t).trained == 3
