@@ -62,7 +62,6 @@ class Actor:
         self._warned_forward = False
         self._next_heartbeat = 0.0
         self._pubsub: Any = None
-        self._started_at = transport.server_time()
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -72,7 +71,7 @@ class Actor:
         try:
             while not self.stop.is_set():
                 self.heartbeat()
-                if self.transport.done_since(self._started_at):
+                if self.transport.is_done():
                     return "the learner finished the run"
                 self.reload_weights()
                 if not self.wait_for_room():
@@ -119,7 +118,7 @@ class Actor:
         t0 = time.perf_counter()
         while not self.stop.is_set() and blocked():
             self.heartbeat()  # waiting is working: the key must not expire
-            if self._pubsub.get_message(timeout=0.2) is not None or self.transport.done_since(self._started_at):
+            if self._pubsub.get_message(timeout=0.2) is not None or self.transport.is_done():
                 break
         self.metrics.backpressure_seconds.inc(time.perf_counter() - t0)
 
@@ -177,7 +176,7 @@ class Actor:
         # that does not fit waits whole (never half a round), or is given up when the actor is asked to stop.
         bound = self.cfg.actor.max_stream_groups
         while self.transport.produce(payloads, dict(counters), bound=bound) is None:
-            if self.stop.is_set() or self.transport.done_since(self._started_at):
+            if self.stop.is_set() or self.transport.is_done():
                 log.info("dropping an unsent round of %d groups: stopping", len(payloads))
                 return
             self._wait(lambda: self.transport.unread() + len(payloads) > bound)

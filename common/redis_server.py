@@ -46,9 +46,12 @@ def free_port() -> int:
 class RedisServer:
     """``start()`` / ``stop()`` / ``restart()`` (same port and data directory, for fault tests)."""
 
-    def __init__(self, directory: str | Path, *, appendonly: bool = False, port: int | None = None):
+    def __init__(
+        self, directory: str | Path, *, appendonly: bool = False, port: int | None = None, fsync: str = "everysec"
+    ):
         self.directory = Path(directory)
         self.appendonly = appendonly
+        self.fsync = fsync  # appendfsync: "always" loses no acknowledged write even if the machine dies
         self.port = port
         self.proc: subprocess.Popen | None = None
         self.binary = find_redis_server()
@@ -70,6 +73,7 @@ class RedisServer:
                     "--dir", str(self.directory),
                     "--save", "",
                     "--appendonly", "yes" if self.appendonly else "no",
+                    "--appendfsync", self.fsync,
                     "--protected-mode", "yes",
                     "--daemonize", "no",
                     "--loglevel", "warning",

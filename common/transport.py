@@ -402,11 +402,10 @@ class Transport:
     def clear_done(self) -> None:
         self._do(lambda: self.client.delete(self.keys.done))
 
-    def done_since(self, t: float) -> bool:
-        """Whether the learner marked the run done at server time ``t`` or later (an older mark is a previous
-        run's under the same name)."""
-        raw = self._do(lambda: self.client.get(self.keys.done))
-        return raw is not None and float(raw) >= t
+    def is_done(self) -> bool:
+        """Whether the learner marked the run finished. A run name is one run: an actor that starts (or restarts)
+        after the mark exits at once, and a learner resuming a run clears the mark while it trains."""
+        return bool(self._do(lambda: self.client.exists(self.keys.done)))
 
     def stats(self) -> dict[str, int]:
         return {as_text(k): int(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.stats)).items()}

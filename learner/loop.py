@@ -91,7 +91,7 @@ class Learner:
         if taken:
             log.info("took over %d groups an earlier learner had read and not settled", len(taken))
         resumed = self.resume()
-        self.transport.clear_done()  # a finished earlier run under this name must not stop today's actors
+        self.transport.clear_done()  # (re)started to train: actors must not stop
         self.publish()  # actors align with the version the learner starts (or resumes) from
         if not resumed:
             self.record({"step": 0, "policy_version": self.version, **self.evaluate()})

@@ -112,7 +112,15 @@ def test_actor_sends_valid_groups_waits_reloads_and_stops(
 
 def test_actor_exits_when_the_run_is_done(demo_model_dir: Path, redis_url: str, tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]
     t = Transport(RedisConfig(url=redis_url), "it")
-    t.client.set(t.keys.done, "1.0")  # a previous run under this name finished long ago: not a reason to stop
+    # Started (or restarted by a supervisor) after the run finished: it exits at once, sending nothing.
+    t.mark_done()
+    late = processes.grpo(*actor_args(demo_model_dir, tmp_path, redis_url), log=tmp_path / "late.log")
+    assert late.wait(timeout=120) == 0
+    assert "the learner finished the run" in (tmp_path / "late.log").read_text()
+    assert t.stream_length() == 0
+
+    # Running when the learner finishes: it stops too.
+    t.clear_done()
     proc = processes.grpo(*actor_args(demo_model_dir, tmp_path, redis_url), log=tmp_path / "actor.log")
     assert wait_until(lambda: t.stream_length() > 0, 120)
     t.mark_done()
