@@ -204,6 +204,11 @@ class LearnerConfig(_Section):
         20, ge=1, description="greedy held-out evaluation every this many steps (and at 0 and the last)"
     )
     read_block_ms: int = Field(1000, ge=1, description="longest single wait for new groups (XREADGROUP BLOCK)")
+    dead_letter_keep: int = Field(
+        100_000,
+        ge=1,
+        description="malformed messages kept in the dead-letter stream, about the newest (stats count them all)",
+    )
     torch_threads: int = Field(1, ge=1, description="torch CPU threads of the learner")
 
     @model_validator(mode="after")

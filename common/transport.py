@@ -99,7 +99,8 @@ return ids
 _DEAD_LETTER = """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if redis.call('XDEL', KEYS[1], ARGV[2]) == 0 then return 0 end
-redis.call('XADD', KEYS[3], '*', 'reason', ARGV[3], 'payload', ARGV[4], 'source_id', ARGV[2], 'at', ARGV[5])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'reason', ARGV[3], 'payload', ARGV[4], 'source_id', ARGV[2],
+           'at', ARGV[5])
 redis.call('HINCRBY', KEYS[2], 'groups_dead', 1)
 return 1
 """
@@ -361,13 +362,15 @@ class Transport:
         """Groups the learner refuses (e.g. too stale): XACK + XDEL + groups_dropped:<reason>, atomically."""
         self._settle(ids, f"groups_dropped:{reason}")
 
-    def dead_letter(self, entry: StreamEntry, reason: str) -> None:
-        """Move a message that failed to decode or validate to the ``dead`` stream, with its reason and raw bytes."""
+    def dead_letter(self, entry: StreamEntry, reason: str, keep: int = 100_000) -> None:
+        """Move a message that failed to decode or validate to the ``dead`` stream, with its reason and raw bytes.
+        The stream keeps about the newest ``keep`` (a flood of garbage must not fill Redis); ``groups_dead``
+        counts every one."""
         payload = entry.payload if entry.payload is not None else b""
         self._do(
             lambda: self._dead_script(
                 keys=[self.keys.groups, self.keys.stats, self.keys.dead],
-                args=[CONSUMER_GROUP, entry.id, reason[:1000], payload, repr(time.time())],
+                args=[CONSUMER_GROUP, entry.id, reason[:1000], payload, repr(time.time()), keep],
             )
         )
 

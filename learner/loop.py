@@ -240,7 +240,7 @@ class Learner:
             return msg
         except SchemaError as e:
             log.warning("dead-lettering %s: %s", entry.id, e)
-            self.transport.dead_letter(entry, str(e))
+            self.transport.dead_letter(entry, str(e), self.cfg.learner.dead_letter_keep)
             self.dead += 1
             self.metrics.groups_dead.inc()
             return None

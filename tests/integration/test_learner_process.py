@@ -4,6 +4,7 @@ ones, dead-letters malformed messages with their reason, and the accounting bala
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import msgpack
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from common.config import RedisConfig
+from common.procs import wait_until
 from common.schemas import Completion, GroupMessage, decode_group, encode_group
 from common.transport import Transport, read_balance
 
@@ -148,3 +150,57 @@ def test_a_zero_std_fraction_that_stays_high_raises_the_alarm(
                 "learner.alarm_zero_std=0.5")  # fmt: skip
     log = (tmp_path / "learner.log").read_text()
     assert log.count("alarm: frac_reward_zero_std above 0.5 for 2 steps") == 1, log
+
+
+def malformed(i: int, rng: np.random.Generator, good: bytes) -> bytes:
+    """Message number ``i`` of a flood of bad ones: every rejection of the schema table, random bytes, random
+    msgpack, valid messages cut short, and well-formed groups whose token ids the model does not have."""
+    from tests.unit.test_schemas import REJECTIONS, mutated
+
+    kind = i % (len(REJECTIONS) + 4)
+    if kind < len(REJECTIONS):
+        path, value, _ = REJECTIONS[kind]
+        return mutated(path, value)
+    kind -= len(REJECTIONS)
+    if kind == 0:
+        return rng.bytes(int(rng.integers(0, 512)))
+    if kind == 1:
+        return msgpack.packb({"v": 1, "type": "group", str(i): rng.standard_normal(3).tolist()})
+    if kind == 2:
+        return good[: int(rng.integers(1, len(good)))]
+    g = decode_group(good)
+    ids = np.array([1, 40_000 + i], np.int32)
+    return encode_group(GroupMessage(g.prompt_id, g.policy_version, "flood", ids, g.completions))
+
+
+def test_a_flood_of_malformed_messages_into_a_live_learner(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    """1,200 malformed messages arrive while a learner trains: it keeps training, and every one of them is in the
+    dead-letter stream with its reason and its exact bytes, and counted."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    t = Transport(RedisConfig(url=redis_url), "flood")
+    settings = [
+        f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", "run.name=flood",
+        "run.steps=6", "learner.batch_groups=2", "actor.group_size=4", "task.eval_size=2", "learner.max_staleness=100",
+    ]  # fmt: skip
+    proc = processes.grpo("learner", *[a for o in settings for a in ("-o", o)], log=tmp_path / "learner.log")
+    assert wait_until(lambda: t.latest_weights() is not None, 120), (tmp_path / "learner.log").read_text()
+
+    rng = np.random.default_rng(0)
+    good = group(tok, 0)
+    bad = [malformed(i, rng, good) for i in range(1200)]
+    for k in range(12):  # in rounds, each with one valid group, while the learner runs
+        t.produce([*bad[k * 100 : (k + 1) * 100], group(tok, 0)])
+    assert proc.wait(timeout=180) == 0, (tmp_path / "learner.log").read_text()
+
+    b = read_balance(t)
+    assert b.dead == 1200 and b.trained == 12 and b.unexplained == 0, b.equation()
+    dead = t.client.xrange(t.keys.dead)
+    assert Counter(f[b"payload"] for _, f in dead) == Counter(bad)
+    assert all(f[b"reason"] for _, f in dead)
+    assert "Traceback" not in (tmp_path / "learner.log").read_text()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 6 and rows[-1]["groups_dead"] == 1200

@@ -78,7 +78,7 @@ def test_int64_and_float64_arrays_are_accepted_and_converted() -> None:
     assert msg.prompt_ids.dtype == np.int32 and msg.completions[0].logprobs.dtype == np.float32
 
 
-def _mutate(path: str, value: object) -> bytes:
+def mutated(path: str, value: object) -> bytes:
     d = body(make_group())
     node = d
     keys = path.split(".")
@@ -95,38 +95,39 @@ def _mutate(path: str, value: object) -> bytes:
 _DELETE = object()
 
 
-@pytest.mark.parametrize(
-    ("path", "value", "reason"),
-    [
-        ("v", 2, "unsupported schema version"),
-        ("type", "weights", "expected 'group'"),
-        ("extra", 1, "unknown keys"),
-        ("policy_version", _DELETE, "missing"),
-        ("policy_version", -1, "outside"),
-        ("policy_version", True, "expected an integer"),
-        ("policy_version", 1.5, "expected an integer"),
-        ("group_id", "", "length 0"),
-        ("created_at", math.nan, "not finite"),
-        ("completions", [], "1..4096"),
-        ("completions.0.reward", 1.5, "not finite in [0.0, 1.0]"),
-        ("completions.0.reward", math.inf, "not finite"),
-        ("completions.0.finish_reason", "eos", "not one of"),
-        ("completions.0.logprobs", {"dtype": "float32", "data": np.zeros(2, "<f4").tobytes()}, "3 tokens but 2"),
-        ("completions.0.logprobs", {"dtype": "float32", "data": np.full(3, 0.5, "<f4").tobytes()}, "<= 0"),
-        ("completions.0.logprobs", {"dtype": "float32", "data": np.full(3, np.nan, "<f4").tobytes()}, "finite"),
-        ("completions.0.token_ids", {"dtype": "int16", "data": b"\x00\x00"}, "dtype 'int16'"),
-        ("completions.0.token_ids", {"dtype": "int32", "data": b"\x00\x00\x00"}, "whole number"),
-        ("completions.0.token_ids", {"dtype": "int32", "data": np.array([-1, 2, 3], "<i4").tobytes()}, "[0, 2^31)"),
-        ("completions.0.token_ids", [1, 2, 3], "expected a map"),
-        ("prompt_ids", {"dtype": "int32", "data": b""}, "outside [1"),
-        ("filtered.zero_std_groups", 9, "outside"),
-        ("filtered.reward_sum", 1e9, "exceed"),
-        ("zero_std", 0, "expected a boolean"),
-    ],
-)
+# (field path, a value it must not have, what the error says): each one is a message that must be dead-lettered.
+REJECTIONS = [
+    ("v", 2, "unsupported schema version"),
+    ("type", "weights", "expected 'group'"),
+    ("extra", 1, "unknown keys"),
+    ("policy_version", _DELETE, "missing"),
+    ("policy_version", -1, "outside"),
+    ("policy_version", True, "expected an integer"),
+    ("policy_version", 1.5, "expected an integer"),
+    ("group_id", "", "length 0"),
+    ("created_at", math.nan, "not finite"),
+    ("completions", [], "1..4096"),
+    ("completions.0.reward", 1.5, "not finite in [0.0, 1.0]"),
+    ("completions.0.reward", math.inf, "not finite"),
+    ("completions.0.finish_reason", "eos", "not one of"),
+    ("completions.0.logprobs", {"dtype": "float32", "data": np.zeros(2, "<f4").tobytes()}, "3 tokens but 2"),
+    ("completions.0.logprobs", {"dtype": "float32", "data": np.full(3, 0.5, "<f4").tobytes()}, "<= 0"),
+    ("completions.0.logprobs", {"dtype": "float32", "data": np.full(3, np.nan, "<f4").tobytes()}, "finite"),
+    ("completions.0.token_ids", {"dtype": "int16", "data": b"\x00\x00"}, "dtype 'int16'"),
+    ("completions.0.token_ids", {"dtype": "int32", "data": b"\x00\x00\x00"}, "whole number"),
+    ("completions.0.token_ids", {"dtype": "int32", "data": np.array([-1, 2, 3], "<i4").tobytes()}, "[0, 2^31)"),
+    ("completions.0.token_ids", [1, 2, 3], "expected a map"),
+    ("prompt_ids", {"dtype": "int32", "data": b""}, "outside [1"),
+    ("filtered.zero_std_groups", 9, "outside"),
+    ("filtered.reward_sum", 1e9, "exceed"),
+    ("zero_std", 0, "expected a boolean"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "reason"), REJECTIONS)
 def test_rejects_with_a_reason(path: str, value: object, reason: str) -> None:
     with pytest.raises(SchemaError, match=None) as e:
-        decode_group(_mutate(path, value))
+        decode_group(mutated(path, value))
     assert reason in str(e.value)
 
 
