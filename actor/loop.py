@@ -105,13 +105,15 @@ class Actor:
         log.debug("loaded weights v%d (%.1f MB) in %.3fs", ann.version, nbytes / 1e6, seconds)
 
     def wait_for_room(self) -> bool:
-        """Backpressure: while the stream holds more unread groups than the bound, wait (a weights announcement
-        wakes us early) instead of sampling with weights that will be stale by the time the learner reads them.
+        """Backpressure: while a whole round would not fit under the bound on unread groups, wait (a weights
+        announcement wakes us early) instead of sampling a round that would wait in send() and age meanwhile.
         Returns False when the loop should re-check its exit conditions first."""
+        # A round larger than the bound still goes into an empty stream, hence the cap.
         bound = self.cfg.actor.max_stream_groups
-        if self.transport.unread() < bound:
+        need = min(self.cfg.actor.prompts_per_round, bound)
+        if self.transport.unread() + need <= bound:
             return True
-        self._wait(lambda: self.transport.unread() >= bound)
+        self._wait(lambda: self.transport.unread() + need > bound)
         return False
 
     def _wait(self, blocked: Callable[[], bool]) -> None:

@@ -238,7 +238,10 @@ class CheckpointConfig(_Section):
     )
     keep: int = Field(2, ge=1, description="checkpoints kept on disk (older ones are deleted)")
     dedup_window: int = Field(
-        10_000, ge=1, description="steps for which trained group ids are remembered to drop a group delivered twice"
+        1000,
+        ge=1,
+        description="steps for which trained group ids are remembered to drop a group delivered twice (Redis holds "
+        "up to this many x batch_groups ids, about 100 bytes each)",
     )
 
 

@@ -104,6 +104,21 @@ redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'reason', ARGV[3], 'pay
 redis.call('HINCRBY', KEYS[2], 'groups_dead', 1)
 return 1
 """
+# Replay: the dead letter goes back into the groups stream as a newly produced group (so the equation still holds:
+# it was counted dead once, and is now counted produced once more) and leaves the dead stream, in one step.
+_REPLAY = """
+local e = redis.call('XRANGE', KEYS[3], ARGV[1], ARGV[1])
+if #e == 0 then return false end
+local fields = e[1][2]
+local payload
+for i = 1, #fields, 2 do if fields[i] == 'payload' then payload = fields[i + 1] end end
+if payload == nil then return false end
+local id = redis.call('XADD', KEYS[1], '*', 'data', payload)
+redis.call('HINCRBY', KEYS[2], 'groups_produced', 1)
+redis.call('HINCRBY', KEYS[2], 'groups_replayed', 1)
+redis.call('XDEL', KEYS[3], ARGV[1])
+return id
+"""
 T = TypeVar("T")
 
 
@@ -215,6 +230,7 @@ class Transport:
         self._produce_script = self.client.register_script(_PRODUCE)
         self._unread_script = self.client.register_script(_UNREAD)
         self._dead_script = self.client.register_script(_DEAD_LETTER)
+        self._replay_script = self.client.register_script(_REPLAY)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -339,7 +355,7 @@ class Transport:
                 keys=[self.keys.groups, self.keys.stats], args=[CONSUMER_GROUP, counter, *c]
             ))  # fmt: skip
 
-    def ack_trained(self, ids: list[str], group_ids: list[str], step: int = 0, window: int = 10_000) -> None:
+    def ack_trained(self, ids: list[str], group_ids: list[str], step: int = 0, window: int = 1000) -> None:
         """After the optimizer step that used them (and the checkpoint that covers it): XACK + XDEL +
         groups_trained, and remember the group ids for ``window`` steps, atomically."""
         for i in range(0, len(ids), _SCRIPT_CHUNK):
@@ -373,6 +389,19 @@ class Transport:
                 args=[CONSUMER_GROUP, entry.id, reason[:1000], payload, repr(time.time()), keep],
             )
         )
+
+    def dead_letters(self, count: int, start: str = "-") -> list[StreamEntry]:
+        """The oldest ``count`` dead letters from ``start`` (fields: reason, payload, source_id, at)."""
+        reply: Any = self._do(lambda: self.client.xrange(self.keys.dead, min=start, count=count))
+        return [StreamEntry(as_text(i), f) for i, f in reply]
+
+    def replay_dead(self, dead_id: str) -> str | None:
+        """Put a dead letter's payload back into the groups stream (counted as produced and as
+        ``groups_replayed``) and remove it from the dead stream, atomically. None if there is no such entry."""
+        reply = self._do(
+            lambda: self._replay_script(keys=[self.keys.groups, self.keys.stats, self.keys.dead], args=[dead_id])
+        )
+        return None if reply is None else as_text(reply)
 
     # -- weights ----------------------------------------------------------------------------------------------
 

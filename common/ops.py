@@ -1,0 +1,131 @@
+"""Operator commands that read (and, for replay, write) a run's keys in Redis, whatever is running.
+
+``grpo status``: the accounting equation, live actors, the published version and whether the run is done.
+``grpo dead``: list the dead-letter stream, show one entry's payload, or replay entries into the groups stream.
+
+Both take the same ``--config FILE`` and ``-o key=value`` as the roles, so ``redis.*`` and ``run.name`` (or
+``GRPO_REDIS_URL`` / ``GRPO_RUN_NAME``) pick the run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from common.cli import role_parser
+from common.config import load_config
+from common.schemas import SchemaError, as_text, decode_group
+from common.transport import Transport, read_balance
+
+
+def _transport(args: object) -> Transport:
+    cfg = load_config(args.config, args.override)  # type: ignore[attr-defined]
+    t = Transport(cfg.redis, cfg.run.name)
+    t.ping()
+    return t
+
+
+def status_main(argv: Sequence[str]) -> int:
+    p = role_parser("grpo status", "The accounting equation and the state of a run, read from Redis.")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    args = p.parse_args(list(argv))
+    t = _transport(args)
+    try:
+        b = read_balance(t)
+        ann = t.latest_weights()
+        actors = t.live_actors()
+        versions = {k: v.get("version") for k, v in sorted(actors.items())}
+        report: dict[str, object] = {
+            "run": t.keys.prefix,
+            "equation": b.equation(),
+            "produced": b.produced,
+            "trained": b.trained,
+            "dropped": b.dropped,
+            "dead": b.dead,
+            "pending": b.pending,
+            "unread": b.unread,
+            "filtered": b.filtered,
+            "unexplained": b.unexplained,
+            "published_version": None if ann is None else ann.version,
+            "done": t.is_done(),
+            "actors": versions,
+        }
+    finally:
+        t.close()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"run {report['run']}  published version {report['published_version']}  done {report['done']}")
+        print(report["equation"])
+        print(f"dropped {b.dropped}  filtered {b.filtered}")
+        print(f"{len(actors)} live actors: " + ", ".join(f"{k} (v{v})" for k, v in versions.items()))
+    return 0 if b.unexplained == 0 else 1
+
+
+def dead_main(argv: Sequence[str]) -> int:
+    p = role_parser("grpo dead", "Read and replay the dead-letter stream (malformed messages, with their reason).")
+    p.add_argument("--limit", type=int, default=20, help="entries to list (oldest first)")
+    p.add_argument("--from", dest="start", default="-", metavar="ID", help="list from this entry id")
+    p.add_argument("--show", metavar="ID", help="print one entry's reason and its payload as hex (or decoded)")
+    p.add_argument(
+        "--replay",
+        nargs="+",
+        metavar="ID",
+        help="put these entries back into the groups stream (after fixing what rejected them, e.g. the learner's "
+        "model); 'all' replays every entry",
+    )
+    args = p.parse_args(list(argv))
+    t = _transport(args)
+    try:
+        if args.replay:
+            return _replay(t, args.replay)
+        if args.show:
+            return _show(t, args.show)
+        entries = t.dead_letters(args.limit, args.start)
+        total = t._do(lambda: t.client.xlen(t.keys.dead))
+        print(f"{total} dead letters in {t.keys.dead}; groups_dead = {t.stats().get('groups_dead', 0)}")
+        for e in entries:
+            at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(as_text(e.fields.get(b"at", b"0")))))
+            size = len(e.fields.get(b"payload", b""))
+            print(f"{e.id}  {at}  {size:>8} B  {as_text(e.fields.get(b'reason', b''))}")
+        return 0
+    finally:
+        t.close()
+
+
+def _show(t: Transport, entry_id: str) -> int:
+    found = t.dead_letters(1, entry_id)
+    if not found or found[0].id != entry_id:
+        print(f"grpo dead: no entry {entry_id}", file=sys.stderr)
+        return 1
+    f = found[0].fields
+    payload = f.get(b"payload", b"")
+    print(f"reason: {as_text(f.get(b'reason', b''))}\nsource stream id: {as_text(f.get(b'source_id', b''))}")
+    try:
+        msg = decode_group(payload)
+        print(f"decodes now as a group: prompt {msg.prompt_id}, version {msg.policy_version}, actor {msg.actor_id}")
+    except SchemaError as e:
+        print(f"does not decode: {e}")
+    print(f"payload ({len(payload)} bytes): {payload[:4096].hex()}{'…' if len(payload) > 4096 else ''}")
+    return 0
+
+
+def _replay(t: Transport, ids: list[str]) -> int:
+    if ids == ["all"]:
+        ids = []
+        start = "-"
+        while batch := t.dead_letters(1000, start):
+            ids += [e.id for e in batch]
+            start = "(" + batch[-1].id
+    missing = 0
+    for entry_id in ids:
+        new = t.replay_dead(entry_id)
+        if new is None:
+            missing += 1
+            print(f"{entry_id}: no such dead letter", file=sys.stderr)
+        else:
+            print(f"{entry_id} -> groups {new}")
+    print(f"replayed {len(ids) - missing} of {len(ids)}")
+    return 0 if missing == 0 else 1
