@@ -2,7 +2,7 @@
 registers its own, so this module knows no role, and heavy libraries are imported only after arguments parse.
 
 Exit codes: 0 done (or stopped on request); 2 a user's mistake (invalid config, Redis unreachable at start or a
-refused password, missing model path), one line on stderr; 3 Redis lost mid-run and still unreachable after
+refused password or command, missing model path), one line on stderr; 3 Redis lost mid-run and still unreachable after
 ``redis.retries`` reconnect attempts (a supervisor restarts the process; nothing is lost, see the README's "Operating
 it"); 130 Ctrl-C. Anything else is a bug and keeps its traceback.
 """
@@ -66,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(fn(rest) or 0)
     except (ConfigError, TransportError) as e:
         print(f"grpo {name}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except redis.exceptions.NoPermissionError as e:
+        print(f"grpo {name}: Redis refused a command to this user ({e}); see the ACL in the README", file=sys.stderr)
         return EXIT_USAGE
     except (redis.ConnectionError, redis.TimeoutError) as e:
         # Only raised once the transport's bounded reconnects (logged "attempt i/n") are used up.

@@ -98,11 +98,19 @@ def test_a_grader_that_prints_does_not_corrupt_the_pipe() -> None:
         assert pool.grade([("8", "8"), ("9", "8")]).scores == [1.0, 0.0]
 
 
-def test_pathological_math_answers_finish_within_the_limit() -> None:
-    nasty = ["(" * 5000 + "1" + ")" * 5000, "2^{2^{2^{2^{2^{99999}}}}}", "\\frac{" * 300 + "1" + "}" * 300, "9" * 10**6]
+@pytest.mark.parametrize("grader", ["math", "gsm8k", "addition", "exact"])
+def test_pathological_answers_finish_within_the_limit_and_score_0(grader: str) -> None:
+    nasty = [
+        "(" * 5000 + "1" + ")" * 5000,  # deep nesting
+        "2^{2^{2^{2^{2^{99999}}}}}",  # an enormous number
+        "\\frac{" * 300 + "1" + "}" * 300,  # deeply nested LaTeX
+        "9" * 10**6,  # a million digits
+        "the answer is " * 80_000,  # a megabyte of text
+        "\\boxed{" * 2000 + "}" * 2000 + " #### " * 1000,  # markers that never close on a number
+    ]
     t0 = time.monotonic()
-    with GraderPool("math", timeout_s=5.0) as pool:
-        result = pool.grade([(n, "1") for n in nasty])
+    with GraderPool(grader, timeout_s=5.0) as pool:
+        result = pool.grade([(n, "7") for n in nasty])  # wrong answers all: each must score 0, in time
     assert result.scores == [0.0] * len(nasty)
     assert time.monotonic() - t0 < 5.0 * len(nasty) + 60
 
