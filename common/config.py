@@ -233,8 +233,9 @@ class CheckpointConfig(_Section):
     every: int = Field(
         1,
         ge=1,
-        description="checkpoint every this many steps (and before each publish, on SIGTERM and at the last step); "
-        "groups are acknowledged once a checkpoint covers them, so a crash retrains at most this many steps",
+        description="checkpoint every this many steps (and on SIGTERM and at the last step); groups are "
+        "acknowledged once a checkpoint covers them, so a crash retrains at most this many steps, and up to this many "
+        "x learner.batch_groups read groups wait in the stream",
     )
     keep: int = Field(2, ge=1, description="checkpoints kept on disk (older ones are deleted)")
     dedup_window: int = Field(

@@ -317,19 +317,12 @@ class Transport:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    def read(self, consumer: str, count: int, block_ms: int, *, pending_after: str | None = None) -> list[StreamEntry]:
-        """New entries for this consumer (XREADGROUP ... >); they stay pending until settled.
-
-        ``pending_after``: instead, entries with a larger id already delivered to this consumer and not settled
-        (XREADGROUP ... <id>), such as those of a read whose reply was lost, or those taken by :meth:`claim_pending`."""
-        start = ">" if pending_after is None else pending_after
+    def read(self, consumer: str, count: int, block_ms: int) -> list[StreamEntry]:
+        """New entries for this consumer (XREADGROUP ... >); they stay pending until settled (see :meth:`stranded`
+        for pending ones the consumer never saw)."""
         reply: Any = self._do(
             lambda: self.client.xreadgroup(
-                CONSUMER_GROUP,
-                consumer,
-                {self.keys.groups: start},
-                count=count,
-                block=block_ms if start == ">" else None,
+                CONSUMER_GROUP, consumer, {self.keys.groups: ">"}, count=count, block=block_ms
             )
         )
         return [StreamEntry(as_text(i), f) for _stream, entries in reply or [] for i, f in entries if f is not None]
@@ -348,6 +341,35 @@ class Transport:
             out.extend(StreamEntry(as_text(i), f) for i, f in entries if f is not None)
             if start == "0-0":
                 return out
+
+    def stranded(self, consumer: str, known: set[str]) -> list[StreamEntry]:
+        """Entries pending for ``consumer`` that it does not know it holds: taken over from a dead learner, or
+        delivered by a read whose reply was lost. Costs one XPENDING summary when there are none (the usual case);
+        only their ids are listed otherwise, and just those entries are fetched."""
+        summary: Any = self._do(lambda: self.client.xpending(self.keys.groups, CONSUMER_GROUP))
+        ours = sum(int(c["pending"]) for c in summary.get("consumers") or [] if as_text(c["name"]) == consumer)
+        if ours <= len(known):
+            return []
+        ids: list[str] = []
+        start = "-"
+        while True:
+            page: Any = self._do(
+                lambda s=start: self.client.xpending_range(  # type: ignore[misc]
+                    self.keys.groups, CONSUMER_GROUP, min=s, max="+", count=1000, consumername=consumer
+                )
+            )
+            ids += [i for p in page if (i := as_text(p["message_id"])) not in known]
+            if len(page) < 1000:
+                break
+            start = "(" + as_text(page[-1]["message_id"])
+        out: list[StreamEntry] = []
+        for k in range(0, len(ids), 1000):
+            chunk = ids[k : k + 1000]
+            reply: Any = self._do(
+                lambda c=chunk: self.client.xclaim(self.keys.groups, CONSUMER_GROUP, consumer, 0, c)  # type: ignore[misc]
+            )
+            out += [StreamEntry(as_text(e), f) for e, f in reply if f is not None]
+        return out
 
     def _settle(self, ids: list[str], counter: str) -> None:
         for i in range(0, len(ids), _SCRIPT_CHUNK):

@@ -91,9 +91,11 @@ class Learner:
         if taken:
             log.info("took over %d groups an earlier learner had read and not settled", len(taken))
         resumed = self.resume()
+        self.continue_versions()
         self.transport.clear_done()  # (re)started to train: actors must not stop
         self.publish()  # actors align with the version the learner starts (or resumes) from
         if not resumed:
+            self._truncate_metrics(-1)  # rows of an earlier attempt that never checkpointed: trained again now
             self.record({"step": 0, "policy_version": self.version, **self.evaluate()})
         steps = self.cfg.run.steps
         last = time.perf_counter()
@@ -111,14 +113,11 @@ class Learner:
             self.groups_consumed += len(batch.ids)
             self.metrics.groups_consumed.inc(len(batch.ids))
             self.step += 1
-            self.version = self.step
+            self.version += 1  # equal to the step, unless a resume skipped versions (see resume())
             stats["time/train_s"] = time.perf_counter() - t_train
-            publishing = self.step % self.cfg.learner.publish_every == 0 or self.step == steps
-            # A published version is always checkpointed first: after a crash, the learner resumes at or after
-            # every version an actor may hold, so versions never go back or mean two different weights.
-            if publishing or self.step % self.cfg.checkpoint.every == 0:
+            if self.step % self.cfg.checkpoint.every == 0 or self.step == steps:
                 stats |= self.checkpoint()
-            if publishing:
+            if self.step % self.cfg.learner.publish_every == 0 or self.step == steps:
                 stats |= self.publish()
             if self.step % self.cfg.learner.eval_every == 0 or self.step == steps:
                 stats |= self.evaluate()
@@ -174,6 +173,16 @@ class Learner:
         log.info("resumed from %s: step %d, policy version %d", path, r.step, r.version)
         return True
 
+    def continue_versions(self) -> None:
+        """A learner that crashed may have published weights of steps that no checkpoint has (or before its first
+        checkpoint). Versions must never go back or name two different weights (actors and staleness rely on
+        both): the weights we start from become the next version, and steps and versions differ from here on."""
+        announced = self.transport.latest_weights()
+        if announced is not None and announced.version > self.version:
+            log.info("version %d was published by an earlier learner after the state we start from: continuing at "
+                     "version %d", announced.version, announced.version + 1)  # fmt: skip
+            self.version = announced.version + 1
+
     def _truncate_metrics(self, step: int) -> None:
         """Rows of steps after the checkpoint are about to be trained again: drop them rather than repeat them."""
         if not self.metrics_path.exists():
@@ -195,18 +204,18 @@ class Learner:
         groups: list[GroupMessage] = []
         t0 = time.perf_counter()
         next_notice = t0 + 30
-        # Nothing of ours is in flight between steps, so whatever is pending for this consumer now was stranded
-        # (taken over at start, or read by a command whose reply was lost): it comes first.
-        pending_after: str | None = "0"
+        # Between steps, what is pending for this consumer is the groups trained since the last checkpoint (the
+        # window) plus anything stranded: taken over at start, or read by a command whose reply was lost. Those
+        # come first, then new entries.
+        backlog = self.transport.stranded(self.consumer, set(self.window_ids))
         while len(groups) < want:
             if self.stop.is_set():
                 return None
             asked = want - len(groups)
-            entries = self.transport.read(
-                self.consumer, asked, self.cfg.learner.read_block_ms, pending_after=pending_after
-            )
-            if pending_after is not None:  # stranded entries first, then new ones once they run out
-                pending_after = entries[-1].id if len(entries) == asked else None
+            if backlog:
+                entries, backlog = backlog[:asked], backlog[asked:]
+            else:
+                entries = self.transport.read(self.consumer, asked, self.cfg.learner.read_block_ms)
             drops: dict[str, list[str]] = {}
             decoded = [(entry, msg) for entry in entries if (msg := self.decode(entry)) is not None]
             trained = self.transport.trained_before([msg.group_id for _, msg in decoded])

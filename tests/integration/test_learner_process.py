@@ -204,3 +204,48 @@ def test_a_flood_of_malformed_messages_into_a_live_learner(
     assert "Traceback" not in (tmp_path / "learner.log").read_text()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 6 and rows[-1]["groups_dead"] == 1200
+
+
+def test_sigterm_checkpoints_and_a_new_learner_resumes(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM while waiting for groups: a checkpoint, exit 0. The next `grpo learner` resumes from it by itself:
+    step, version and counters continue; every step appears once in metrics.jsonl."""
+    import signal
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    t = Transport(RedisConfig(url=redis_url), "resume")
+    settings = [
+        f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", "run.name=resume",
+        "run.steps=5", "learner.batch_groups=2", "actor.group_size=4", "task.eval_size=2", "learner.max_staleness=100",
+        "checkpoint.every=3",
+    ]  # fmt: skip
+    args = [a for o in settings for a in ("-o", o)]
+    t.produce([group(tok, 0) for _ in range(4)])
+    first = processes.grpo("learner", *args, log=tmp_path / "first.log")
+    assert wait_until(lambda: (t.latest_weights() or WeightsStub).version == 2, 120), (
+        tmp_path / "first.log"
+    ).read_text()
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0
+    assert "checkpoint written" in (tmp_path / "first.log").read_text()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002"]  # every=3: this one is SIGTERM's
+    assert read_balance(t).trained == 4
+
+    t.produce([group(tok, 2) for _ in range(6)])
+    second = processes.grpo("learner", *args, log=tmp_path / "second.log")
+    assert second.wait(timeout=180) == 0, (tmp_path / "second.log").read_text()
+    assert "resumed from" in (tmp_path / "second.log").read_text()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert rows[-1]["groups_consumed"] == 10 and t.latest_weights().version == 5
+    b = read_balance(t)
+    assert b.trained == 10 and b.unexplained == 0
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000003", "step-000005"]  # checkpoint.keep = 2
+
+
+class WeightsStub:
+    version = -1
