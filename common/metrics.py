@@ -60,6 +60,11 @@ class LearnerMetrics(RedisMetrics):
         self.publish_bytes = Gauge(
             "grpo_learner_weight_publish_bytes", "size of the last published weights", registry=r
         )
+        self.checkpoint_seconds = Histogram(
+            "grpo_learner_checkpoint_seconds", "time to write a checkpoint and acknowledge its groups", buckets=_FAST,
+            registry=r,
+        )  # fmt: skip
+        self.checkpoint_step = Gauge("grpo_learner_checkpoint_step", "step of the newest checkpoint", registry=r)
         self.eval_accuracy = Gauge("grpo_learner_eval_accuracy", "greedy accuracy on held-out prompts", registry=r)
         self.alarm = Gauge(
             "grpo_learner_alarm", "1 while an alarm (clip_ratio, zero_std) is raised", ["kind"], registry=r

@@ -150,7 +150,10 @@ class Learner:
         self.transport.ack_trained(self.window_ids, self.window_groups, self.step, cc.dedup_window)
         self.window_ids, self.window_groups = [], []
         self.checkpointed_step = self.step
-        return {"time/checkpoint_s": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        self.metrics.checkpoint_seconds.observe(seconds)
+        self.metrics.checkpoint_step.set(self.step)
+        return {"time/checkpoint_s": seconds}
 
     def counters(self) -> dict[str, Any]:
         return {"groups_consumed": self.groups_consumed, "dropped": dict(self.dropped), "dead": self.dead}
@@ -165,6 +168,7 @@ class Learner:
         t = self.trainer
         r = checkpoint.load(path, self.model, t.optimizer, t.scheduler, t.generator)
         self.step, self.version, self.checkpointed_step = r.step, r.version, r.step
+        self.metrics.checkpoint_step.set(r.step)
         self.groups_consumed = r.counters.get("groups_consumed", 0)
         self.dropped = Counter(r.counters.get("dropped", {}))
         self.dead = r.counters.get("dead", 0)

@@ -48,3 +48,13 @@ def test_endpoints_are_gathered_learner_first(tmp_path: Path) -> None:
     register_endpoint(tmp_path, "actor", "actor-1", "http://127.0.0.1:3/metrics")
     assert [e["name"] for e in gather_endpoints(tmp_path)] == ["learner", "actor-1", "actor-2"]
     assert {"role", "name", "pid", "metrics_url"} == set(gather_endpoints(tmp_path)[0])
+
+
+def test_every_metric_is_documented_in_the_readme() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for cls in (LearnerMetrics, ActorMetrics):
+        registry = CollectorRegistry()
+        cls(registry)
+        for family in registry.collect():
+            name = family.name + ("_total" if family.type == "counter" else "")
+            assert f"`{name}" in readme, f"{name} is not in the README's list of metrics"
