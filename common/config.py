@@ -235,7 +235,8 @@ class CheckpointConfig(_Section):
         ge=1,
         description="checkpoint every this many steps (and on SIGTERM and at the last step); groups are "
         "acknowledged once a checkpoint covers them, so a crash retrains at most this many steps, and up to this many "
-        "x learner.batch_groups read groups wait in the stream",
+        "x learner.batch_groups read groups wait in the stream; a checkpoint writes the model and the optimizer's "
+        "state, so raise it for large models",
     )
     keep: int = Field(2, ge=1, description="checkpoints kept on disk (older ones are deleted)")
     dedup_window: int = Field(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -102,13 +103,13 @@ def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # typ
         assert ok and learner.poll() is None, _tail(logs)
         if what == "learner":
             learner.kill()
-            learner.wait()
+            assert learner.wait() == -signal.SIGKILL, _tail(logs)  # it was alive until killed
             published_at_kill.append(version())
             learner = start("learner")
         elif what == "actor":
             i = started["actor"] % 2
             actors[i].kill()
-            actors[i].wait()
+            assert actors[i].wait() == -signal.SIGKILL, _tail(logs)  # alive, through the Redis restart too
             actors[i] = start("actor")
         else:
             produced_before_redis = t.stats()["groups_produced"]
