@@ -113,7 +113,7 @@ class Learner:
             self.groups_consumed += len(batch.ids)
             self.metrics.groups_consumed.inc(len(batch.ids))
             self.step += 1
-            self.version += 1  # equal to the step, unless a resume skipped versions (see resume())
+            self.version += 1  # equal to the step, unless a resume skipped versions (see continue_versions)
             stats["time/train_s"] = time.perf_counter() - t_train
             if self.step % self.cfg.checkpoint.every == 0 or self.step == steps:
                 stats |= self.checkpoint()
