@@ -26,6 +26,10 @@ from common.weights import load_into, load_state_dict
 log = logging.getLogger(__name__)
 
 
+class EngineError(RuntimeError):
+    """The engine's server is unreachable or answered something the actor cannot use."""
+
+
 class Engine(Protocol):
     version: int
     tokenizer: Any
@@ -34,6 +38,10 @@ class Engine(Protocol):
 
     def load(self, ann: WeightsAnnouncement) -> int:
         """Load a published version; returns the bytes read."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine started (a server it launched)."""
         ...
 
 
@@ -63,6 +71,9 @@ class LocalEngine:
         load_into(self.model, state)
         self.version = ann.version
         return nbytes
+
+    def close(self) -> None:
+        pass
 
 
 class SimEngine:
@@ -107,10 +118,17 @@ class SimEngine:
         self.version = ann.version
         return nbytes
 
+    def close(self) -> None:
+        pass
+
 
 def make_engine(cfg: Config, seed: int) -> Engine:
     if cfg.actor.engine == "local":
         return LocalEngine(cfg, seed)
     if cfg.actor.engine == "sim":
         return SimEngine(cfg, seed)
+    if cfg.actor.engine == "sglang":
+        from actor.sglang_engine import SGLangEngine
+
+        return SGLangEngine(cfg, seed)
     raise ValueError(f"unknown engine {cfg.actor.engine!r}")

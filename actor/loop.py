@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
-from actor.engine import Engine, make_engine
+from actor.engine import Engine, EngineError, make_engine
 from actor.filter import Decision, ZeroStdFilter, filtered_stats
 from common.config import Config, check_model_path
 from common.generation import Sample
@@ -262,6 +262,7 @@ def run_actor(cfg: Config) -> int:
     grader = open_grader(cfg.grader)
     server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
     register_endpoint(cfg.run.dir, "actor", actor_id, server.url)
+    engine: Engine | None = None
     try:
         engine = make_engine(cfg, seed=cfg.run.seed * 1_000_003 + os.getpid())
         actor = Actor(cfg, actor_id, transport, engine, grader, metrics)
@@ -276,12 +277,18 @@ def run_actor(cfg: Config) -> int:
             cfg.actor.prompts_per_round,
             server.url,
         )
-        reason = actor.run()
+        try:
+            reason = actor.run()
+        except EngineError as e:  # the engine's server is gone or answers nonsense: say so, and let it be restarted
+            log.error("actor %s: engine %s failed: %s; exiting", actor_id, cfg.actor.engine, e)
+            return 1
         log.info(
             "actor %s stopped (%s): %d groups sent in %d rounds", actor_id, reason, actor.groups_sent, actor.rounds
         )
         return 0
     finally:
+        if engine is not None:
+            engine.close()
         grader.close()
         server.close()
         transport.close()

@@ -115,9 +115,10 @@ class GraderConfig(_Section):
 
 class ActorConfig(_Section):
     id: str = Field("", description="empty = <hostname>-<pid>")
-    engine: Literal["local", "sim"] = Field(
+    engine: Literal["local", "sim", "sglang"] = Field(
         "local",
-        description="generation engine: local = transformers in-process; sim = random tokens, for load tests",
+        description="generation engine: local = transformers in-process; sglang = a SGLang server (see sglang.*); "
+        "sim = random tokens, for load tests",
     )
     sim_tokens_per_s: float = Field(2000.0, gt=0, description="sim engine: tokens per second it produces")
     group_size: int = Field(8, ge=2, description="completions per prompt (G); below 2 there is no baseline")
@@ -247,6 +248,26 @@ class CheckpointConfig(_Section):
     )
 
 
+class SGLangConfig(_Section):
+    url: str = Field(
+        "", description="a running SGLang server, http://host:30000; empty = the actor launches one as its child"
+    )
+    launch_module: str = Field(
+        "sglang.launch_server", description="module run as `python -m MODULE --model-path ... --port ...` to launch"
+    )
+    launch_args: list[str] = Field(
+        default_factory=list, description="extra launch arguments, e.g. [--mem-fraction-static, '0.8']"
+    )
+    requests: Literal["n", "separate"] = Field(
+        "n",
+        description="n: one request per prompt with sampling_params.n (one prefill); separate: the prompt repeated "
+        "once per sample in a batch",
+    )
+    ready_timeout_s: float = Field(900.0, gt=0, description="how long to wait for /health after connecting or launch")
+    timeout_s: float = Field(600.0, gt=0, description="HTTP time limit of one /generate or weight update")
+    retries: int = Field(5, ge=0, description="attempts per request on connection errors and 5xx, with backoff")
+
+
 class MetricsConfig(_Section):
     host: str = Field("127.0.0.1", description="address /metrics and /healthz bind to")
     port: int = Field(0, ge=0, le=65535, description="0 = any free port (reported in endpoints.json)")
@@ -264,6 +285,7 @@ class Config(_Section):
     learner: LearnerConfig = LearnerConfig()
     weights: WeightsConfig = WeightsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    sglang: SGLangConfig = SGLangConfig()
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
@@ -320,6 +342,7 @@ ENV_KEYS: dict[str, str] = {
     "GRPO_RUN_NAME": "run.name",
     "GRPO_RUN_DIR": "run.dir",
     "GRPO_MODEL_PATH": "model.path",
+    "GRPO_SGLANG_URL": "sglang.url",
 }
 
 
@@ -446,7 +469,7 @@ def _rows(prefix: str, model: type[BaseModel]) -> list[str]:
         if isinstance(sub, type) and issubclass(sub, BaseModel):
             rows += _rows(f"{prefix}.{key}", sub)
             continue
-        default = field.default
+        default = field.get_default(call_default_factory=True)
         shown = (
             "" if default in ("", None) else json.dumps(default if not isinstance(default, tuple) else list(default))
         )

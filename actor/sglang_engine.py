@@ -1,0 +1,235 @@
+"""The ``sglang`` engine: a client of a SGLang server's native HTTP API (shapes of SGLang 0.5.23).
+
+- ``POST /generate`` with ``input_ids``, every sampling knob explicit (``temperature``, ``top_p`` = 1, ``top_k`` = -1:
+  unset ones would come from the model's generation_config.json, and the behaviour log-probs assume plain
+  temperature sampling), ``max_new_tokens``, ``stop_token_ids`` and ``return_logprob``. Completions come from
+  ``output_ids``, ``meta_info.output_token_logprobs`` and ``meta_info.finish_reason``; the server's
+  ``weight_version`` must be the version the group is stamped with.
+- ``POST /update_weights_from_disk`` with a published version's directory (checked against its sha256 first) and our
+  version number; ``flush_cache`` so that no prefix-cache entry computed with old weights serves a new request.
+- ``GET /health`` for readiness. Requests are retried a bounded number of times on connection errors and 5xx.
+
+The server is either given (``sglang.url``) or launched as this process's child (``python -m sglang.launch_server``),
+which dies with the actor. Building requests and reading replies are pure functions, tested on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from actor.engine import EngineError
+from common.config import Config
+from common.generation import Sample
+from common.procs import die_with_parent, stop_process
+from common.redis_server import free_port
+from common.schemas import WeightsAnnouncement
+from common.weights import WeightsError, digest
+
+log = logging.getLogger(__name__)
+
+
+# -- pure: requests and replies ---------------------------------------------------------------------------------
+
+
+def generate_request(
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int],
+    mode: str,
+) -> dict[str, Any]:
+    """One /generate body for ``n`` samples of each prompt. ``mode`` "n": one entry per prompt with
+    ``sampling_params.n``; "separate": each prompt repeated ``n`` times. Either way the reply is prompt-major."""
+    params: dict[str, Any] = {
+        "temperature": temperature,
+        "top_p": 1.0,
+        "top_k": -1,
+        "max_new_tokens": max_new_tokens,
+        "stop_token_ids": sorted(stop_token_ids),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,  # the stop token stays in output_ids: the policy is trained to emit it
+    }
+    if mode == "n":
+        ids = [list(p) for p in prompts]
+        params["n"] = n
+    elif mode == "separate":
+        ids = [list(p) for p in prompts for _ in range(n)]
+    else:
+        raise ValueError(f"unknown request mode {mode!r}")
+    return {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
+
+
+def parse_samples(reply: Any, n_prompts: int, n: int, version: int | str) -> list[list[Sample]]:
+    """The reply of :func:`generate_request` as ``n`` samples per prompt. Raises :class:`EngineError` when it has the
+    wrong shape, a request was aborted, or the server generated with another ``weight_version`` than ``version``."""
+    items = reply if isinstance(reply, list) else [reply]
+    if len(items) != n_prompts * n:
+        raise EngineError(f"/generate returned {len(items)} completions for {n_prompts} prompts x {n}")
+    groups: list[list[Sample]] = []
+    for i, item in enumerate(items):
+        try:
+            ids = [int(t) for t in item["output_ids"]]
+            meta = item["meta_info"]
+            logprobs = [float(lp[0]) for lp in meta["output_token_logprobs"]]
+            finish = meta["finish_reason"] or {}
+            kind = finish.get("type")
+            served = meta.get("weight_version")
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise EngineError(f"/generate reply {i} is malformed: {e!r}") from None
+        if kind == "abort":
+            raise EngineError(f"/generate aborted a request: {finish.get('message', '')}")
+        if kind not in ("stop", "length"):
+            raise EngineError(f"/generate reply {i}: unknown finish_reason {finish!r}")
+        if len(logprobs) != len(ids):
+            raise EngineError(f"/generate reply {i}: {len(ids)} output ids but {len(logprobs)} log-probs")
+        if served is not None and str(served) != str(version):
+            raise EngineError(
+                f"the server generated with weight_version {served!r}, the actor expects {version}: another client "
+                "updated its weights?"
+            )
+        if i % n == 0:
+            groups.append([])
+        groups[-1].append(Sample(ids, logprobs, kind))
+    return groups
+
+
+# -- the client -------------------------------------------------------------------------------------------------
+
+
+class SGLangClient:
+    """JSON over HTTP with bounded retries (connection errors and 5xx), logged ``attempt i/n``."""
+
+    def __init__(self, url: str, timeout_s: float, retries: int):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+
+    def request(self, method: str, path: str, body: Any = None, *, ok_statuses: tuple[int, ...] = ()) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        total = self.retries + 1
+        for attempt in range(1, total + 1):
+            req = urllib.request.Request(self.url + path, data=data, method=method)
+            req.add_header("Content-Type", "application/json")
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    raw = resp.read()
+                    return json.loads(raw) if raw else None
+            except urllib.error.HTTPError as e:
+                raw = e.read()
+                if e.code in ok_statuses:  # an answer, not a failure (e.g. 400 with success: false)
+                    return json.loads(raw) if raw else None
+                if e.code < 500 or attempt == total:
+                    raise EngineError(f"{method} {path}: HTTP {e.code}: {raw[:500].decode(errors='replace')}") from None
+                error: Exception = e
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                if attempt == total:
+                    raise EngineError(f"{method} {path}: {e} (after {total} attempts)") from None
+                error = e
+            log.warning("sglang %s %s: %s (attempt %d/%d, retrying)", method, path, error, attempt, total)
+            time.sleep(min(5.0, 0.2 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def healthy(self) -> bool:
+        try:
+            req = urllib.request.Request(self.url + "/health")
+            with urllib.request.urlopen(req, timeout=min(self.timeout_s, 30.0)) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+
+def _stop_ids(model_path: str, tokenizer: Any) -> set[int]:
+    """End-of-sequence ids of the tokenizer and of the model's generation_config.json, as SGLang would stop on."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    config = Path(model_path) / "generation_config.json"
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return ids
+
+
+class SGLangEngine:
+    def __init__(self, cfg: Config, seed: int):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        sc = cfg.sglang
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.stop_ids = _stop_ids(cfg.model.path, self.tokenizer)
+        self.version = 0
+        self.proc: subprocess.Popen | None = None
+        url = sc.url or self._launch()
+        self.client = SGLangClient(url, sc.timeout_s, sc.retries)
+        self._wait_ready(sc.ready_timeout_s)
+        # The weights the server holds now: a version of ours (it outlived an earlier actor, say) or, under any
+        # other name (SGLang's "default"), the model it was started with, which is version 0.
+        served = (self.client.request("GET", "/model_info") or {}).get("weight_version")
+        self.served = str(served) if served is not None else "default"
+        self.version = int(self.served) if self.served.isdigit() else 0
+        log.info(
+            "SGLang at %s serves weight_version %r (policy version %d)", self.client.url, self.served, self.version
+        )
+
+    def _launch(self) -> str:
+        sc = self.cfg.sglang
+        port = free_port()
+        cmd = [sys.executable, "-m", sc.launch_module, "--model-path", self.cfg.model.path,
+               "--host", "127.0.0.1", "--port", str(port), "--weight-version", "0", *sc.launch_args]  # fmt: skip
+        logs = Path(self.cfg.run.dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with (logs / f"sglang-{port}.log").open("ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        log.info("launched %s (pid %d) on port %d", sc.launch_module, self.proc.pid, port)
+        return f"http://127.0.0.1:{port}"
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.client.healthy():
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineError(f"the SGLang server exited with code {self.proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise EngineError(f"SGLang at {self.client.url} was not healthy after {timeout_s:.0f}s")
+            time.sleep(1.0)
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[Sample]]:
+        s = self.cfg.sampling
+        body = generate_request(
+            prompts, n, temperature=s.temperature, max_new_tokens=s.max_new_tokens, stop_token_ids=self.stop_ids,
+            mode=self.cfg.sglang.requests,
+        )  # fmt: skip
+        return parse_samples(self.client.request("POST", "/generate", body), len(prompts), n, self.served)
+
+    def load(self, ann: WeightsAnnouncement) -> int:
+        """Verify the published directory against its sha256, then have the server load it as our version."""
+        sha, nbytes = digest(ann.uri)
+        if sha != ann.sha256:
+            raise WeightsError(
+                f"weights v{ann.version}: sha256 {sha[:12]}… does not match announced {ann.sha256[:12]}…"
+            )
+        body = {"model_path": ann.uri, "weight_version": str(ann.version), "abort_all_requests": False,
+                "flush_cache": True}  # fmt: skip
+        reply = self.client.request("POST", "/update_weights_from_disk", body, ok_statuses=(400,))
+        if not isinstance(reply, dict) or not reply.get("success"):
+            message = reply.get("message") if isinstance(reply, dict) else reply
+            raise WeightsError(f"weights v{ann.version}: the SGLang server refused them: {message}")
+        self.version = ann.version
+        self.served = str(ann.version)
+        return nbytes
+
+    def close(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, grace_s=30, name="sglang server")
+            self.proc = None

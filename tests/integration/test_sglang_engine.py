@@ -1,0 +1,169 @@
+"""The `sglang` engine: pure request/reply handling, and a real `grpo actor` driving a SGLang stand-in over HTTP
+(tests/sglang_standin.py), given by URL or launched by the actor as its child. Where the `sglang` package is
+installed, every request the actor sent (and every reply of the stand-in) is checked with SGLang's own schema."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+from actor.sglang_engine import EngineError, generate_request, parse_samples
+from common.config import RedisConfig
+from common.procs import wait_until
+from common.schemas import decode_group
+from common.transport import Transport
+from common.weights import publish
+from tests.conftest import pid_alive
+from tests.integration.test_actor_process import actor_args
+from tests.sglang_standin import StandIn
+
+pytestmark = pytest.mark.integration
+
+
+def sglang_schema() -> ModuleType | None:
+    """sglang/api/v1/api_types.py, loaded by path: importing the package would pull its whole GPU stack."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "api" / "v1" / "api_types.py"
+    if not path.is_file() or importlib.util.find_spec("msgspec") is None:
+        return None
+    module_spec = importlib.util.spec_from_file_location("sglang_api_types", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules["sglang_api_types"] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def reply(ids: list[int], finish: dict, version: str = "3") -> dict:
+    return {"output_ids": ids, "meta_info": {"finish_reason": finish, "weight_version": version,
+            "output_token_logprobs": [[-0.5, t, None] for t in ids]}}  # fmt: skip
+
+
+def test_requests_set_every_sampling_knob_and_replies_are_read_prompt_major() -> None:
+    for mode, expected in (("n", [[1, 2], [3]]), ("separate", [[1, 2], [1, 2], [3], [3]])):
+        body = generate_request([[1, 2], [3]], 2, temperature=0.7, max_new_tokens=4, stop_token_ids={9, 2}, mode=mode)
+        assert body["input_ids"] == expected and body["return_logprob"] is True and body["logprob_start_len"] == -1
+        p = body["sampling_params"]
+        assert (p["temperature"], p["top_p"], p["top_k"], p["max_new_tokens"], p["stop_token_ids"]) == (
+            0.7, 1.0, -1, 4, [2, 9]
+        )  # fmt: skip
+        assert p.get("n") == (2 if mode == "n" else None)
+    items = [reply([5, 9], {"type": "stop", "matched": 9}), reply([6, 7], {"type": "length", "length": 2})] * 2
+    groups = parse_samples(items, 2, 2, 3)
+    assert [[s.token_ids for s in g] for g in groups] == [[[5, 9], [6, 7]], [[5, 9], [6, 7]]]
+    assert groups[0][1].finish_reason == "length" and groups[0][0].logprobs == [-0.5, -0.5]
+
+
+@pytest.mark.parametrize(
+    ("items", "error"),
+    [
+        ([reply([1], {"type": "stop", "matched": 1})], "1 completions for 1 prompts x 2"),
+        ([reply([1], {"type": "abort", "message": "x"})] * 2, "aborted"),
+        ([reply([1], {"type": "stop"}, version="2")] * 2, "weight_version '2'"),
+        ([{"output_ids": [1]}] * 2, "malformed"),
+        ([{"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": []}}] * 2,
+         "2 output ids but 0 log-probs"),
+    ],
+)  # fmt: skip
+def test_unusable_replies_are_errors(items: list, error: str) -> None:
+    with pytest.raises(EngineError, match=error):
+        parse_samples(items, 1, 2, 3)
+
+
+def check_with_sglang_schema(standin: StandIn, replies: bool = True) -> None:
+    schema = sglang_schema()
+    if schema is None:
+        pytest.skip("the sglang package (with msgspec) is not installed: requests were not checked against its schema")
+    generates = [body for path, body in standin.requests if path == "/generate"]
+    assert generates
+    for body in generates:
+        schema.GenerateRequest.from_json_value(body)
+    if replies:
+        body = generates[-1]
+        answer = standin.generate(body)
+        for item in answer if isinstance(answer, list) else [answer]:
+            schema.GenerateResponse.from_json_value(item)
+
+
+def test_actor_with_sglang_engine_sends_groups_and_updates_the_server_weights(
+    demo_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    standin = StandIn(str(demo_model_dir)).start()  # started as SGLang is by default: weight_version "default"
+    try:
+        t = Transport(RedisConfig(url=redis_url), "it")
+        args = actor_args(
+            demo_model_dir, tmp_path, redis_url, "-o", "actor.engine=sglang", "-o", f"sglang.url={standin.url}"
+        )
+        proc = processes.grpo(*args, log=tmp_path / "actor.log")
+        assert wait_until(lambda: t.stream_length() >= 4, 120), (tmp_path / "actor.log").read_text()
+        for _, fields in t.client.xrange(t.keys.groups):
+            g = decode_group(fields[b"data"])
+            assert g.policy_version == 0 and len(g.completions) == 8
+            for c in g.completions:
+                assert len(c.token_ids) == len(c.logprobs) and (c.logprobs <= 0).all()
+
+        # A new version: the actor checks its sha256 and has the server load that directory as version 5.
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(demo_model_dir)
+        with torch.no_grad():
+            model.model.norm.weight.mul_(3.0)
+        pub = publish(model, AutoTokenizer.from_pretrained(demo_model_dir), tmp_path / "weights", 5, keep=2)
+        t.announce_weights(pub.announcement)
+        t.client.delete(t.keys.groups)
+        assert wait_until(lambda: standin.weight_version == "5", 60), (tmp_path / "actor.log").read_text()
+        updates = [body for path, body in standin.requests if path == "/update_weights_from_disk"]
+        assert updates == [{"model_path": pub.announcement.uri, "weight_version": "5", "abort_all_requests": False,
+                            "flush_cache": True}]  # fmt: skip
+        assert standin.cache_flushes == 1
+
+        # Every round sampled after the update is stamped 5 (one in flight during it may still be 0).
+        def versions() -> list[int]:
+            return [decode_group(f[b"data"]).policy_version for _, f in t.client.xrange(t.keys.groups)]
+
+        assert wait_until(lambda: 5 in versions(), 60), (tmp_path / "actor.log").read_text()
+        seen = versions()
+        assert set(seen) <= {0, 5} and 0 not in seen[seen.index(5) :]
+        state = {k: v for k, v in standin.model.state_dict().items() if k == "model.norm.weight"}
+        assert np.allclose(state["model.norm.weight"].numpy(), model.model.norm.weight.detach().numpy())
+
+        # A server that refuses a version: the actor keeps generating with the one it has, and says why.
+        standin.fail_next_update = True
+        t.announce_weights(publish(model, None, tmp_path / "weights", 6, keep=2).announcement)
+        assert wait_until(lambda: "the SGLang server refused them" in (tmp_path / "actor.log").read_text(), 60)
+        assert proc.poll() is None
+
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        check_with_sglang_schema(standin)
+    finally:
+        standin.stop()
+
+
+def test_actor_launches_the_server_as_its_child_and_stops_it(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    t = Transport(RedisConfig(url=redis_url), "it")
+    args = actor_args(
+        tiny_model_dir, tmp_path, redis_url, "-o", "actor.engine=sglang",
+        "-o", "sglang.launch_module=tests.sglang_standin", "-o", "actor.filter_zero_std=false",
+        "-o", "sglang.requests=separate",
+    )  # fmt: skip
+    proc = processes.grpo(*args, log=tmp_path / "actor.log")
+    assert wait_until(lambda: t.stream_length() >= 4, 120), (tmp_path / "actor.log").read_text()
+    log = (tmp_path / "actor.log").read_text()
+    child = int(log.split("launched tests.sglang_standin (pid ")[1].split(")")[0])
+    assert pid_alive(child)
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+    assert wait_until(lambda: not pid_alive(child), 30), "the launched server outlived the actor"
+    time.sleep(0.1)

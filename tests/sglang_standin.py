@@ -1,0 +1,196 @@
+"""A stand-in for a SGLang server, for tests on machines without a GPU: the request and reply shapes of SGLang 0.5.23's
+native API (``/health``, ``/model_info``, ``/generate``, ``/update_weights_from_disk``), served over real HTTP, with a
+real model on the CPU (transformers) so that token ids and log-probs are genuine.
+
+Like SGLang it refuses unknown or mistyped ``sampling_params`` with HTTP 400, answers a batch or any ``n > 1`` with a
+prompt-major JSON list, reports ``weight_version``, and answers a failed weight update with ``success: false``.
+It only supports what the actor uses: plain temperature sampling (``top_p`` 1, ``top_k`` -1).
+
+In a test: ``StandIn(model_dir).start()`` (a thread; ``.url``, ``.requests``, ``.stop()``). As a process, with the
+launch arguments of ``sglang.launch_server``: ``python -m tests.sglang_standin --model-path M --port P``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+_SAMPLING_TYPES: dict[str, tuple[type, ...]] = {
+    "temperature": (int, float), "top_p": (int, float), "top_k": (int,), "max_new_tokens": (int,), "n": (int,),
+    "stop": (str, list), "stop_token_ids": (list,), "skip_special_tokens": (bool,), "no_stop_trim": (bool,),
+    "sampling_seed": (int,), "min_p": (int, float), "ignore_eos": (bool,),
+}  # fmt: skip
+
+
+class BadRequest(Exception):
+    pass
+
+
+class StandIn:
+    def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 0, weight_version: str = "default"):
+        from common.models import load_pretrained
+
+        self.model_path = model_path
+        self.tokenizer, self.model = load_pretrained(model_path, "float32", "cpu")
+        self.weight_version = weight_version
+        self.requests: list[tuple[str, Any]] = []  # (path, JSON body) of every POST, in order
+        self.fail_next_update = False
+        self.cache_flushes = 0
+        self._lock = threading.Lock()  # one generation or weight update at a time, as the scheduler serialises them
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> StandIn:
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # -- endpoints ----------------------------------------------------------------------------------------------
+
+    def generate(self, body: dict) -> Any:
+        from common.generation import generate
+
+        if ("text" in body) == ("input_ids" in body):
+            raise BadRequest("send exactly one of text or input_ids")
+        ids = body["input_ids"]
+        batch = bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+            raise BadRequest("input_ids must be a non-empty list of ints or of lists of ints")
+        params = body.get("sampling_params") or {}
+        for key, value in params.items():
+            if key not in _SAMPLING_TYPES:
+                raise BadRequest(f"unknown sampling_params key {key!r}")
+            wrong_bool = isinstance(value, bool) and bool not in _SAMPLING_TYPES[key]  # bool is an int in Python
+            if wrong_bool or not isinstance(value, _SAMPLING_TYPES[key]):
+                raise BadRequest(f"sampling_params.{key}: wrong type {type(value).__name__}")
+        if params.get("top_p", 1.0) != 1.0 or params.get("top_k", -1) not in (-1, 0):
+            raise BadRequest("the stand-in samples plain temperature only (top_p 1, top_k -1)")
+        n = int(params.get("n", 1))
+        stop_ids = set(params.get("stop_token_ids") or [])
+        if self.tokenizer.eos_token_id is not None and not params.get("ignore_eos"):
+            stop_ids.add(self.tokenizer.eos_token_id)
+        temperature = float(params.get("temperature", 1.0))
+        with self._lock:
+            groups = generate(
+                self.model, prompts, n=n, max_new_tokens=int(params.get("max_new_tokens", 128)), stop_ids=stop_ids,
+                pad_id=self.tokenizer.pad_token_id or 0, temperature=temperature if temperature > 0 else None,
+            )  # fmt: skip
+            version = self.weight_version
+        out = []
+        for prompt, group in zip(prompts, groups, strict=True):
+            for s in group:
+                finish = (
+                    {"type": "stop", "matched": s.token_ids[-1]}
+                    if s.finish_reason == "stop"
+                    else {"type": "length", "length": len(s.token_ids)}
+                )
+                out.append({
+                    "text": self.tokenizer.decode(s.token_ids),
+                    "output_ids": s.token_ids,
+                    "meta_info": {
+                        "id": f"req-{len(self.requests)}-{len(out)}",
+                        "finish_reason": finish,
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": len(s.token_ids),
+                        "cached_tokens": 0,
+                        "weight_version": version,
+                        "weight_versions": [{"version": version, "start": 0, "end": len(s.token_ids)}],
+                        "output_token_logprobs": [[lp, t, None] for lp, t in zip(s.logprobs, s.token_ids, strict=True)],
+                    },
+                })  # fmt: skip
+        return out if batch or n > 1 else out[0]
+
+    def update_weights(self, body: dict) -> tuple[int, dict]:
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        from common.weights import load_into
+
+        path = Path(str(body.get("model_path", "")))
+        files = sorted(path.glob("*.safetensors"))
+        if self.fail_next_update or not files:
+            self.fail_next_update = False
+            return 400, {"success": False, "message": f"failed to load weights from {path}", "num_paused_requests": 0}
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        with self._lock:
+            load_into(self.model, state)
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+            if body.get("flush_cache", True):
+                self.cache_flushes += 1
+        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _reply(self, status: int, body: Any) -> None:
+                raw = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self) -> None:
+                if self.path in ("/health", "/ready"):
+                    self._reply(200, {})
+                elif self.path == "/model_info":
+                    self._reply(200, {"model_path": standin.model_path, "weight_version": standin.weight_version})
+                else:
+                    self._reply(404, {"error": self.path})
+
+            def do_POST(self) -> None:
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                except json.JSONDecodeError as e:
+                    self._reply(400, {"error": f"not JSON: {e}"})
+                    return
+                standin.requests.append((self.path, body))
+                try:
+                    if self.path == "/generate":
+                        self._reply(200, standin.generate(body))
+                    elif self.path == "/update_weights_from_disk":
+                        self._reply(*standin.update_weights(body))
+                    else:
+                        self._reply(404, {"error": self.path})
+                except BadRequest as e:
+                    self._reply(400, {"error": {"message": str(e)}})
+
+        return Handler
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="a SGLang stand-in for tests")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--weight-version", default="default")
+    args, _unknown = p.parse_known_args()  # like launch_server's other options, ignored
+    server = StandIn(args.model_path, args.host, args.port, args.weight_version)
+    server.httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
