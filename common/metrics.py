@@ -64,6 +64,9 @@ class LearnerMetrics(RedisMetrics):
             "grpo_learner_checkpoint_seconds", "time to write a checkpoint and acknowledge its groups", buckets=_FAST,
             registry=r,
         )  # fmt: skip
+        self.stream_groups = Gauge(
+            "grpo_learner_stream_groups", "groups in the stream: unread, or read and pending", ["state"], registry=r
+        )
         self.checkpoint_step = Gauge("grpo_learner_checkpoint_step", "step of the newest checkpoint", registry=r)
         self.eval_accuracy = Gauge("grpo_learner_eval_accuracy", "greedy accuracy on held-out prompts", registry=r)
         self.alarm = Gauge(

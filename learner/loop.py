@@ -28,7 +28,7 @@ from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
 from common.models import load_pretrained
 from common.schemas import GroupMessage, SchemaError, decode_group
 from common.tasks import make_task
-from common.transport import StreamEntry, Transport
+from common.transport import StreamEntry, Transport, read_balance
 from common.weights import publish
 from grader.pool import GraderPool, open_grader
 from learner import checkpoint
@@ -121,6 +121,7 @@ class Learner:
                 stats |= self.publish()
             if self.step % self.cfg.learner.eval_every == 0 or self.step == steps:
                 stats |= self.evaluate()
+            stats |= self.stream_figures()
             now = time.perf_counter()
             stats |= {"time/step_s": now - last, "time/wait_s": batch.wait_s}
             last = now
@@ -314,6 +315,13 @@ class Learner:
         accuracy = sum(result.scores) / len(result.scores)
         self.metrics.eval_accuracy.set(accuracy)
         return {"eval/accuracy": accuracy}
+
+    def stream_figures(self) -> dict[str, float]:
+        """Groups waiting in the stream, for dashboards (one transaction, as the accounting equation reads them)."""
+        b = read_balance(self.transport)
+        self.metrics.stream_groups.labels("unread").set(b.unread)
+        self.metrics.stream_groups.labels("pending").set(b.pending)
+        return {"stream/unread": b.unread, "stream/pending": b.pending}
 
     def describe(self, stats: dict[str, float]) -> dict[str, Any]:
         """The metrics.jsonl row of a step (DESIGN §4 keys first)."""

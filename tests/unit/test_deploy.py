@@ -1,0 +1,115 @@
+"""docker-compose.yml, its Prometheus and Grafana files, .env.example and configs/compose.yaml: valid, and with the
+properties a deployment relies on (no Docker engine is needed to check them)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from common.config import load_config
+from common.metrics import ActorMetrics, LearnerMetrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def compose() -> dict:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def test_compose_file_follows_the_compose_specification(shared_dir: Path) -> None:
+    import jsonschema
+
+    schema = json.loads((shared_dir / "schemas" / "compose-spec.json").read_text())
+    jsonschema.validate(compose(), schema)
+
+
+def test_services_password_persistence_and_health() -> None:
+    c = compose()
+    assert set(c["services"]) == {"redis", "learner", "actor", "prometheus", "grafana"}
+    redis = c["services"]["redis"]
+    command = " ".join(redis["command"])
+    assert "--requirepass ${REDIS_PASSWORD:?" in command and "--appendonly yes" in command
+    for name, service in c["services"].items():
+        assert "healthcheck" in service, f"{name} has no healthcheck"
+    for role in ("learner", "actor"):
+        s = c["services"][role]
+        assert s["depends_on"]["redis"]["condition"] == "service_healthy"
+        env = s["environment"]
+        assert env["GRPO_REDIS_PASSWORD"].startswith("${REDIS_PASSWORD") and env["GRPO_REDIS_URL"].startswith(
+            "redis://redis:"
+        )
+        devices = s["deploy"]["resources"]["reservations"]["devices"]
+        assert devices and devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
+    # The weights volume: written by the learner, read by every actor.
+    assert "weights:/weights" in c["services"]["learner"]["volumes"]
+    assert "weights:/weights:ro" in c["services"]["actor"]["volumes"]
+    assert "weights" in c["volumes"]
+
+
+def test_actor_is_scalable() -> None:
+    actor = compose()["services"]["actor"]
+    assert "container_name" not in actor and "ports" not in actor  # `--scale actor=N` needs both absent
+    assert actor.get("ipc") == "host"
+    assert "actor.engine=sglang" in actor["command"]
+
+
+def test_every_variable_is_in_env_example() -> None:
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)", (REPO / "docker-compose.yml").read_text()))
+    listed = set(re.findall(r"^([A-Z0-9_]+)=", (REPO / ".env.example").read_text(), re.M))
+    assert used and used <= listed, used - listed
+
+
+def test_prometheus_finds_the_learner_and_every_actor_replica() -> None:
+    prom = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j["dns_sd_configs"][0] for j in prom["scrape_configs"]}
+    services = compose()["services"]
+    for job, service in (("grpo-learner", "learner"), ("grpo-actor", "actor")):
+        sd = jobs[job]
+        assert sd["names"] == [service] and sd["type"] == "A"
+        assert f"metrics.port={sd['port']}" in services[service]["command"]
+        assert str(sd["port"]) in services[service]["expose"]
+
+
+def metric_names() -> set[str]:
+    names = set()
+    for cls in (LearnerMetrics, ActorMetrics):
+        registry = CollectorRegistry()
+        cls(registry)
+        for family in registry.collect():  # labelled metrics have no samples until used: names from the type
+            suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])
+            names |= {family.name + suffix for suffix in suffixes}
+    return names
+
+
+def test_the_dashboard_shows_what_it_must_with_metrics_that_exist() -> None:
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "dashboards" / "grpo.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\bgrpo_[a-z_]+", e)}
+    assert used and used <= metric_names(), used - metric_names()
+    text = " ".join(exprs)
+    for needed in ("reward", "eval_accuracy", "frac_reward_zero_std", "clip_ratio", "_kl", "staleness",
+                   "grpo_actor_groups_produced_total", "stream_groups", "weight_publish_seconds",
+                   "weight_load_seconds"):  # fmt: skip
+        assert needed in text, f"no panel queries {needed}"
+    provisioning = yaml.safe_load((REPO / "deploy/grafana/provisioning/dashboards/grpo.yml").read_text())
+    mounts = compose()["services"]["grafana"]["volumes"]
+    assert f"./deploy/grafana/dashboards:{provisioning['providers'][0]['options']['path']}:ro" in mounts
+
+
+def test_the_compose_run_config_loads() -> None:
+    env = {"GRPO_MODEL_PATH": "Qwen/Qwen2.5-0.5B-Instruct", "GRPO_REDIS_URL": "redis://redis:6379/0"}
+    cfg = load_config(REPO / "configs" / "compose.yaml", ["metrics.port=9400"], env=env)
+    assert cfg.weights.dir == "/weights" and cfg.metrics.host == "0.0.0.0" and cfg.model.device == "cuda"
+
+
+@pytest.mark.parametrize("name", ["learner.Dockerfile", "actor.Dockerfile"])
+def test_dockerfiles_copy_the_package(name: str) -> None:
+    text = (REPO / "docker" / name).read_text()
+    for part in ("common", "actor", "learner", "grader", "configs", "pyproject.toml"):
+        assert f"COPY {part}" in text or part in text
+    assert "pip install --no-cache-dir ." in text
