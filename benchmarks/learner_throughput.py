@@ -1,0 +1,134 @@
+"""Learner throughput: the real trainer (learner.trainer.Trainer, the configured loss) on a randomly initialised Llama,
+fed synthetic groups; prints tokens/s and model FLOPs utilisation (MFU). Needs no Redis, no dataset, no download.
+
+    python benchmarks/learner_throughput.py --preset 0.5b --device cuda --dtype bfloat16     # scripts/gpu_check.sh
+    python benchmarks/learner_throughput.py --preset tiny --device cpu --steps 2             # a smoke run
+
+MFU counts 6 N FLOPs per token for the training forward and backward plus 2 N for the scoring forward that gives
+the old log-probs (learner.old_logprobs = proximal), N = parameters without the embeddings, against the GPU's dense
+bf16 peak (--peak-tflops, or known from the device name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+PRESETS = {
+    # about 0.5B parameters, Qwen2.5-0.5B-like proportions in a plain Llama
+    "0.5b": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
+}  # fmt: skip
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}  # dense bf16
+
+
+def synthetic_groups(n: int, size: int, prompt_len: int, completion_len: int, vocab: int, rng: np.random.Generator):  # type: ignore[no-untyped-def]
+    from common.schemas import Completion, GroupMessage
+
+    groups = []
+    for i in range(n):
+        prompt = rng.integers(3, vocab, prompt_len, dtype=np.int32)
+        completions = tuple(
+            Completion(
+                rng.integers(3, vocab, completion_len, dtype=np.int32),
+                np.full(completion_len, -np.log(vocab), np.float32),
+                float(j % 2),
+                "length",
+            )
+            for j in range(size)
+        )
+        groups.append(GroupMessage(f"p{i}", 0, "bench", prompt, completions))
+    return groups
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="0.5b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--steps", type=int, default=6, help="timed steps (after one warm-up step)")
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--completion-len", type=int, default=512)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="learner config")
+    args = p.parse_args()
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.config import load_config
+    from learner.trainer import Trainer, disable_dropout
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    model = LlamaForCausalLM(LlamaConfig(**PRESETS[args.preset], torch_dtype=args.dtype)).to(args.device, dtype)
+    disable_dropout(model)
+    if args.device.startswith("cuda"):
+        model.gradient_checkpointing_enable()
+    n_params = sum(p.numel() for p in model.parameters())
+    n_compute = n_params - model.get_input_embeddings().weight.numel()
+    cfg = load_config(
+        None,
+        [f"run.steps={args.steps + 1}", f"learner.batch_groups={args.groups}", f"actor.group_size={args.group_size}",
+         f"sampling.max_new_tokens={args.completion_len}", f"learner.grad_accum={args.grad_accum}",
+         f"model.device={args.device}", *args.override],
+        env={},
+    )  # fmt: skip
+    trainer = Trainer(cfg, model, pad_id=0)
+    rng = np.random.default_rng(0)
+    tokens_per_step = args.groups * args.group_size * (args.prompt_len + args.completion_len)
+
+    def sync() -> None:
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    times = []
+    for step in range(args.steps + 1):
+        groups = synthetic_groups(args.groups, args.group_size, args.prompt_len, args.completion_len,
+                                  PRESETS[args.preset]["vocab_size"], rng)  # fmt: skip
+        sync()
+        t0 = time.perf_counter()
+        stats = trainer.step(groups, 0)
+        sync()
+        if step > 0:  # the first step pays for allocation and kernel selection
+            times.append(time.perf_counter() - t0)
+        assert np.isfinite(stats["loss"]), stats
+    step_s = statistics.median(times)
+    tokens_per_s = tokens_per_step / step_s
+    report: dict[str, object] = {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+        "dtype": args.dtype,
+        "parameters": n_params,
+        "tokens_per_step": tokens_per_step,
+        "step_s_median": round(step_s, 3),
+        "tokens_per_s": round(tokens_per_s, 1),
+    }
+    peak = args.peak_tflops
+    if peak is None and args.device.startswith("cuda"):
+        peak = next((v for k, v in PEAK_TFLOPS.items() if k in str(report["device"])), None)
+    if peak:
+        report["mfu"] = round(8 * n_compute * tokens_per_s / (peak * 1e12), 4)
+        report["peak_tflops"] = peak
+    if args.device.startswith("cuda"):
+        report["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The benchmark scripts keep working: the learner-throughput benchmark, small, on the CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_learner_throughput_runs_the_real_trainer() -> None:
+    cmd = [sys.executable, str(REPO / "benchmarks" / "learner_throughput.py"), "--preset", "tiny", "--device", "cpu",
+           "--dtype", "float32", "--steps", "2", "--groups", "4", "--group-size", "4", "--prompt-len", "16",
+           "--completion-len", "32", "--peak-tflops", "1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["tokens_per_step"] == 4 * 4 * (16 + 32) and report["tokens_per_s"] > 0
+    assert 0 < report["mfu"] < 1
