@@ -83,6 +83,11 @@ def test_grpo_run_end_to_end(demo_model_dir: Path, tmp_path: Path, processes) ->
     # Nothing pickled: weights are safetensors only.
     files = {f.suffix for w in weights for f in w.iterdir()}
     assert ".safetensors" in files and not files & {".bin", ".pt", ".pth", ".pkl", ".pickle"}
+    # Each version is a directory SGLang (or from_pretrained) loads as it is: config, tokenizer, safetensors.
+    for w in weights:
+        assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= {
+            f.name for f in w.iterdir()
+        }
     assert (run_dir / "logs" / "learner.log").exists() and (run_dir / "logs" / "actor-1.log").exists()
 
 
