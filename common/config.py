@@ -101,16 +101,60 @@ class SamplingConfig(_Section):
         return self
 
 
+_GRADER_NAME = r"^(addition|exact|gsm8k|math|regex|format|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$"
+
+
+class GraderComponent(_Section):
+    name: str = Field(..., pattern=_GRADER_NAME, description="a grader, as grader.name (not combine)")
+    weight: float = Field(1.0, gt=0, description="its weight in the mean")
+    pattern: str = Field("", description="its pattern, for regex and format")
+
+
 class GraderConfig(_Section):
     name: str = Field(
         "addition",
-        pattern=r"^(addition|exact|gsm8k|math|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
-        description="a built-in grader (addition, exact, gsm8k, math) or your own as module.path:function",
+        pattern=_GRADER_NAME[:-2] + "|combine)$",
+        description="a built-in grader (addition, exact, gsm8k, math, regex, format, combine) or your own as "
+        "module.path:function",
+    )
+    pattern: str = Field(
+        "",
+        description="regex: a regular expression whose one group is the answer (its last match is compared with "
+        "the reference); format: the layout the whole completion must have (empty = think, then answer tags)",
+    )
+    components: list[GraderComponent] = Field(
+        default_factory=list,
+        description="combine: the graders whose weighted mean is the reward, e.g. [{name: gsm8k, weight: 0.9}, "
+        "{name: format, weight: 0.1}]",
     )
     timeout_s: float = Field(5.0, gt=0, description="time limit per answer; past it the answer scores 0")
     isolation: Literal["process", "inline"] = Field(
         "process", description="process: graders run in a worker process that is killed on a time-out"
     )
+
+    @model_validator(mode="after")
+    def _check_options(self) -> GraderConfig:
+        if self.name == "regex":
+            try:
+                groups = re.compile(self.pattern).groups
+            except re.error as e:
+                raise ValueError(f"grader.pattern: not a regular expression: {e}") from None
+            if groups != 1:
+                raise ValueError(f"grader.pattern: regex needs exactly one group (the answer), it has {groups}")
+        if self.name == "combine" and not self.components:
+            raise ValueError("grader.components: combine needs at least one component")
+        if self.components and self.name != "combine":
+            raise ValueError("grader.components: only used with grader.name=combine")
+        for c in self.components:
+            if c.name == "regex" and re.compile(c.pattern).groups != 1:
+                raise ValueError(f"grader.components: regex needs a pattern with one group, got {c.pattern!r}")
+        return self
+
+    def spec(self) -> str | dict[str, Any]:
+        """What grader.build_grader takes: the name alone, or the name with its options."""
+        if self.name in ("regex", "format", "combine"):
+            return {"name": self.name, "pattern": self.pattern, "components": [c.model_dump() for c in self.components]}
+        return self.name
 
 
 class ActorConfig(_Section):

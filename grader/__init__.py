@@ -7,9 +7,11 @@ answer and turns a crash or time-out into a score of 0 that is counted, never an
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable
-from typing import cast
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 from grader import builtin
 
@@ -38,4 +40,29 @@ def get_grader(name: str) -> Grader:
     raise KeyError(f"unknown grader {name!r}; built in: {', '.join(sorted(GRADERS))}, or module.path:function")
 
 
-__all__ = ["GRADERS", "Grader", "get_grader"]
+def build_grader(spec: str | Mapping[str, Any]) -> Grader:
+    """A grader from its name, or from a spec with options (JSON-able, so that a worker process can rebuild it):
+    ``{"name": "regex", "pattern": "answer: (\\S+)"}``, ``{"name": "format", "pattern": ""}`` (empty: the
+    think/answer layout), or ``{"name": "combine", "components": [{"name": "gsm8k", "weight": 0.9}, {"name":
+    "format", "weight": 0.1}]}``: the weighted mean of its components' scores."""
+    if isinstance(spec, str):
+        return get_grader(spec)
+    name = spec["name"]
+    if name == "regex":
+        pattern = re.compile(spec["pattern"], re.DOTALL)
+        if pattern.groups != 1:
+            raise KeyError(f"grader regex: the pattern needs exactly one group (the answer), it has {pattern.groups}")
+        return functools.partial(builtin.regex, pattern=pattern)
+    if name == "format":
+        return functools.partial(builtin.format_match, pattern=re.compile(spec.get("pattern") or builtin.DEFAULT_FORMAT,
+                                                                          re.DOTALL))  # fmt: skip
+    if name == "combine":
+        parts = [(build_grader(c), float(c.get("weight", 1.0))) for c in spec.get("components") or []]
+        total = sum(w for _, w in parts)
+        if not parts or total <= 0:
+            raise KeyError("grader combine: needs components with positive weights")
+        return lambda completion, reference: sum(w * fn(completion, reference) for fn, w in parts) / total
+    return get_grader(name)
+
+
+__all__ = ["GRADERS", "Grader", "build_grader", "get_grader"]

@@ -77,3 +77,26 @@ def math(completion: str, reference: str) -> float:
     if not gold or not answer:
         return 0.0
     return 1.0 if verify(gold, answer) else 0.0
+
+
+# --- patterns -----------------------------------------------------------------------------------------------------
+
+# DeepSeek-R1's layout: reasoning in <think>, then the answer in <answer>.
+DEFAULT_FORMAT = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
+
+
+def regex(completion: str, reference: str, *, pattern: re.Pattern[str]) -> float:
+    """The answer is the first group of the pattern's last match in the completion; 1 when it equals the reference
+    (both stripped), 0 when it differs or nothing matches."""
+    found = pattern.findall(completion[-_MAX_SCAN:])
+    if not found:
+        return 0.0
+    last = found[-1]
+    answer = last[0] if isinstance(last, tuple) else last
+    return 1.0 if answer.strip() == reference.strip() else 0.0
+
+
+def format_match(completion: str, reference: str, *, pattern: re.Pattern[str]) -> float:
+    """1 when the whole completion has the configured layout (``DEFAULT_FORMAT`` unless set); the reference is
+    not used. Usually one weighted part of a ``combine`` grader."""
+    return 1.0 if pattern.fullmatch(completion) else 0.0

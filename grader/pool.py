@@ -12,6 +12,7 @@ number in [0, 1], or crashes its process also scores 0. Every such answer is cou
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +31,7 @@ import msgpack
 from common.config import ConfigError, GraderConfig
 from common.generation import completion_text
 from common.procs import die_with_parent, stop_process
-from grader import get_grader
+from grader import build_grader
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +88,9 @@ class _WorkerDied(Exception):
 class _Worker:
     """One grader process and the read side of its pipe."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str | Mapping[str, Any]):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "grader.worker", name],
+            [sys.executable, "-m", "grader.worker", name if isinstance(name, str) else json.dumps(name)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             preexec_fn=die_with_parent,
@@ -137,7 +139,7 @@ class _Worker:
 def open_grader(cfg: GraderConfig) -> GraderPool:
     """The pool a role grades with; an unknown or unimportable grader is a user's config mistake."""
     try:
-        return GraderPool(cfg.name, cfg.timeout_s, cfg.isolation)
+        return GraderPool(cfg.spec(), cfg.timeout_s, cfg.isolation)
     except KeyError as e:
         raise ConfigError(f"config error: grader.name: {e.args[0]}") from None
 
@@ -145,11 +147,11 @@ def open_grader(cfg: GraderConfig) -> GraderPool:
 class GraderPool:
     """Grades (completion, reference) pairs; see the module docstring. Not thread-safe: one per actor loop."""
 
-    def __init__(self, name: str, timeout_s: float = 5.0, isolation: str = "process"):
-        self.name = name
+    def __init__(self, name: str | Mapping[str, Any], timeout_s: float = 5.0, isolation: str = "process"):
+        self.name = name  # a grader's name, or a spec with options (see grader.build_grader)
         self.timeout_s = timeout_s
         self.isolation = isolation
-        self._fn = get_grader(name)  # fails fast on an unknown name, in the caller's process
+        self._fn = build_grader(name)  # fails fast on an unknown name or a bad option, in the caller's process
         self._worker: _Worker | None = None
         if isolation == "process":
             self._worker = _Worker(name)

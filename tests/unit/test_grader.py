@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 
 from common.generation import Sample
 from grader import GRADERS, get_grader
-from grader.builtin import gsm8k_final_answer, normalise_number
+from grader.builtin import gsm8k, gsm8k_final_answer, normalise_number
 from grader.pool import GraderPool
 
 
@@ -132,3 +134,73 @@ def test_grade_samples_requires_a_stop_and_sees_no_stop_token() -> None:
         lax = pool.grade_samples(_Tok(), samples, ["8", "8", "8"], require_stop=False)
     assert strict.scores == [1.0, 0.0, 0.0]  # cut off; and "8<pad>" is not "8"
     assert lax.scores == [1.0, 1.0, 0.0]
+
+
+def test_regex_grader_compares_the_last_match_with_the_reference() -> None:
+    from grader import build_grader
+
+    g = build_grader({"name": "regex", "pattern": r"Answer:\s*(\S+)"})
+    assert g("Answer: 12 ... wait. Answer: 14", "14") == 1.0  # the last match counts
+    assert g("Answer: 12", "14") == 0.0 and g("no answer line", "14") == 0.0
+    with pytest.raises(KeyError, match="exactly one group"):
+        build_grader({"name": "regex", "pattern": r"\d+"})
+
+
+def test_format_grader_checks_the_whole_layout() -> None:
+    from grader import build_grader
+
+    g = build_grader({"name": "format", "pattern": ""})
+    assert g("<think>3 apples and 4</think>\n<answer>7</answer>", "7") == 1.0
+    assert g("<think>multi\nline</think><answer>x</answer>\n", "") == 1.0
+    assert g("7", "7") == 0.0 and g("<answer>7</answer>", "7") == 0.0
+    assert g("<think>a</think><answer>7</answer> and more", "7") == 0.0
+
+
+def test_weighted_combination_through_the_process_pool() -> None:
+    """A spec with options reaches the worker process as JSON and is rebuilt there."""
+    spec = {"name": "combine", "components": [{"name": "gsm8k", "weight": 0.9}, {"name": "format", "weight": 0.1}]}
+    with GraderPool(spec, timeout_s=5.0) as pool:
+        result = pool.grade([
+            ("<think>3+4</think><answer>#### 7</answer>", "#### 7"),
+            ("#### 7", "#### 7"),
+            ("<think>3+4</think><answer>8</answer>", "#### 7"),
+            ("9", "#### 7"),
+        ])  # fmt: skip
+    assert result.scores == pytest.approx([1.0, 0.9, 0.1, 0.0]) and not result.errors
+
+
+def test_grader_options_are_checked_in_the_config() -> None:
+    from common.config import ConfigError, load_config
+
+    cfg = load_config(overrides=["grader.name=combine", "grader.components=[{name: gsm8k, weight: 3}, {name: format}]"],
+                      env={})  # fmt: skip
+    assert cfg.grader.spec() == {"name": "combine", "pattern": "", "components": [
+        {"name": "gsm8k", "weight": 3.0, "pattern": ""}, {"name": "format", "weight": 1.0, "pattern": ""}]}  # fmt: skip
+    for overrides, message in [
+        (["grader.name=regex", "grader.pattern=[0-9]+"], "exactly one group"),
+        (["grader.name=regex", "grader.pattern=(unclosed"], "not a regular expression"),
+        (["grader.name=combine"], "at least one component"),
+        (["grader.components=[{name: gsm8k}]"], "only used with grader.name=combine"),
+        (["grader.name=combine", "grader.components=[{name: gsm8k, weight: 0}]"], "greater than 0"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides=overrides, env={})
+
+
+def gsm8k_rows(shared_dir: Path, split: str) -> list[dict]:
+    path = shared_dir / "data" / "gsm8k" / f"{split}.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_every_gsm8k_reference_grades_1_against_itself_and_0_when_changed(shared_dir: Path, split: str) -> None:
+    rows = gsm8k_rows(shared_dir, split)
+    assert len(rows) > 1000
+    for row in rows:
+        reference = row["answer"]
+        assert gsm8k(reference, reference) == 1.0, reference[-80:]
+        final = reference.rsplit("####", 1)[1].strip()
+        changed = reference.rsplit("####", 1)[0] + "#### " + str(normalise_number(final) + 1)
+        assert gsm8k(changed, reference) == 0.0, changed[-80:]
