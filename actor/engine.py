@@ -34,7 +34,9 @@ class Engine(Protocol):
     version: int
     tokenizer: Any
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[Sample]]: ...
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
+        """``n`` samples per prompt at ``sampling.temperature``; ``greedy`` for the likeliest answer (evaluation)."""
+        ...
 
     def load(self, ann: WeightsAnnouncement) -> int:
         """Load a published version; returns the bytes read."""
@@ -54,7 +56,7 @@ class LocalEngine:
         self.version = 0
         torch.manual_seed(seed)
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[Sample]]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
         s = self.cfg.sampling
         return generate(
             self.model,
@@ -63,7 +65,7 @@ class LocalEngine:
             max_new_tokens=s.max_new_tokens,
             stop_ids=self.stop_ids,
             pad_id=self.pad_id,
-            temperature=s.temperature,
+            temperature=None if greedy else s.temperature,
         )
 
     def load(self, ann: WeightsAnnouncement) -> int:
@@ -93,8 +95,8 @@ class SimEngine:
         self.rng = np.random.default_rng(seed)
         self.version = 0
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[Sample]]:
-        t0 = time.perf_counter()
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
+        t0 = time.perf_counter()  # random either way: greedy means nothing without a model
         limit = self.cfg.sampling.max_new_tokens
         logp = -math.log(self.vocab)
         groups, tokens = [], 0

@@ -204,11 +204,11 @@ class SGLangEngine:
                 raise EngineError(f"SGLang at {self.client.url} was not healthy after {timeout_s:.0f}s")
             time.sleep(1.0)
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int) -> list[list[Sample]]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
         s = self.cfg.sampling
         body = generate_request(
-            prompts, n, temperature=s.temperature, max_new_tokens=s.max_new_tokens, stop_token_ids=self.stop_ids,
-            mode=self.cfg.sglang.requests,
+            prompts, n, temperature=0.0 if greedy else s.temperature, max_new_tokens=s.max_new_tokens,
+            stop_token_ids=self.stop_ids, mode=self.cfg.sglang.requests,
         )  # fmt: skip
         return parse_samples(self.client.request("POST", "/generate", body), len(prompts), n, self.served)
 
