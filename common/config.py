@@ -101,11 +101,20 @@ class SamplingConfig(_Section):
         return self
 
 
-_GRADER_NAME = r"^(addition|exact|gsm8k|math|regex|format|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$"
+_GRADERS = r"addition|exact|gsm8k|math|regex|format|[A-Za-z_][\w.]*:[A-Za-z_]\w*"  # or module.path:function
+
+
+def _answer_pattern_problem(pattern: str) -> str | None:
+    """Why ``pattern`` cannot be a regex grader's (it needs exactly one group: the answer), or None."""
+    try:
+        groups = re.compile(pattern).groups
+    except re.error as e:
+        return f"not a regular expression: {e}"
+    return None if groups == 1 else f"regex needs exactly one group (the answer), it has {groups}"
 
 
 class GraderComponent(_Section):
-    name: str = Field(..., pattern=_GRADER_NAME, description="a grader, as grader.name (not combine)")
+    name: str = Field(..., pattern=f"^({_GRADERS})$", description="a grader, as grader.name (not combine)")
     weight: float = Field(1.0, gt=0, description="its weight in the mean")
     pattern: str = Field("", description="its pattern, for regex and format")
 
@@ -113,7 +122,7 @@ class GraderComponent(_Section):
 class GraderConfig(_Section):
     name: str = Field(
         "addition",
-        pattern=_GRADER_NAME[:-2] + "|combine)$",
+        pattern=f"^({_GRADERS}|combine)$",
         description="a built-in grader (addition, exact, gsm8k, math, regex, format, combine) or your own as "
         "module.path:function",
     )
@@ -134,20 +143,17 @@ class GraderConfig(_Section):
 
     @model_validator(mode="after")
     def _check_options(self) -> GraderConfig:
-        if self.name == "regex":
-            try:
-                groups = re.compile(self.pattern).groups
-            except re.error as e:
-                raise ValueError(f"grader.pattern: not a regular expression: {e}") from None
-            if groups != 1:
-                raise ValueError(f"grader.pattern: regex needs exactly one group (the answer), it has {groups}")
         if self.name == "combine" and not self.components:
             raise ValueError("grader.components: combine needs at least one component")
         if self.components and self.name != "combine":
             raise ValueError("grader.components: only used with grader.name=combine")
-        for c in self.components:
-            if c.name == "regex" and re.compile(c.pattern).groups != 1:
-                raise ValueError(f"grader.components: regex needs a pattern with one group, got {c.pattern!r}")
+        regexes = [("grader.pattern", self.pattern)] if self.name == "regex" else []
+        regexes += [
+            (f"grader.components.{i}.pattern", c.pattern) for i, c in enumerate(self.components) if c.name == "regex"
+        ]
+        for where, pattern in regexes:
+            if problem := _answer_pattern_problem(pattern):
+                raise ValueError(f"{where}: {problem}")
         return self
 
     def spec(self) -> str | dict[str, Any]:

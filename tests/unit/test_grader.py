@@ -179,6 +179,10 @@ def test_grader_options_are_checked_in_the_config() -> None:
     for overrides, message in [
         (["grader.name=regex", "grader.pattern=[0-9]+"], "exactly one group"),
         (["grader.name=regex", "grader.pattern=(unclosed"], "not a regular expression"),
+        (
+            ["grader.name=combine", "grader.components=[{name: regex, pattern: '(x'}]"],
+            r"grader\.components\.0\.pattern: not a regular expression",
+        ),
         (["grader.name=combine"], "at least one component"),
         (["grader.components=[{name: gsm8k}]"], "only used with grader.name=combine"),
         (["grader.name=combine", "grader.components=[{name: gsm8k, weight: 0}]"], "greater than 0"),
