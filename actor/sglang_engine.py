@@ -32,7 +32,7 @@ from common.generation import Sample
 from common.procs import die_with_parent, stop_process
 from common.redis_server import free_port
 from common.schemas import WeightsAnnouncement
-from common.weights import WeightsError, digest
+from common.weights import WeightsError, verify
 
 log = logging.getLogger(__name__)
 
@@ -214,11 +214,7 @@ class SGLangEngine:
 
     def load(self, ann: WeightsAnnouncement) -> int:
         """Verify the published directory against its sha256, then have the server load it as our version."""
-        sha, nbytes = digest(ann.uri)
-        if sha != ann.sha256:
-            raise WeightsError(
-                f"weights v{ann.version}: sha256 {sha[:12]}… does not match announced {ann.sha256[:12]}…"
-            )
+        nbytes = verify(ann)
         body = {"model_path": ann.uri, "weight_version": str(ann.version), "abort_all_requests": False,
                 "flush_cache": True}  # fmt: skip
         reply = self.client.request("POST", "/update_weights_from_disk", body, ok_statuses=(400,))

@@ -110,14 +110,28 @@ def load_state_dict(ann: WeightsAnnouncement) -> tuple[dict[str, torch.Tensor], 
     h = hashlib.sha256()
     for blob in blobs:
         h.update(blob)
-    if h.hexdigest() != ann.sha256:
-        raise WeightsError(
-            f"weights v{ann.version}: sha256 {h.hexdigest()[:12]}… does not match announced {ann.sha256[:12]}…"
-        )
+    _check_digest(ann, h.hexdigest())
     state: dict[str, torch.Tensor] = {}
     for blob in blobs:
         state.update(load(blob))
     return state, sum(len(b) for b in blobs)
+
+
+def verify(ann: WeightsAnnouncement) -> int:
+    """Check a published version's files against its announced sha256 without loading them (for an engine that
+    loads them itself, such as a SGLang server); returns their size in bytes. A missing, pruned or altered version
+    is a WeightsError."""
+    try:
+        sha, nbytes = digest(ann.uri)
+    except OSError as e:
+        raise WeightsError(f"weights v{ann.version}: {e}") from None
+    _check_digest(ann, sha)
+    return nbytes
+
+
+def _check_digest(ann: WeightsAnnouncement, sha: str) -> None:
+    if sha != ann.sha256:
+        raise WeightsError(f"weights v{ann.version}: sha256 {sha[:12]}… does not match announced {ann.sha256[:12]}…")
 
 
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

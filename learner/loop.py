@@ -213,6 +213,7 @@ class Learner:
         # window) plus anything stranded: taken over at start, or read by a command whose reply was lost. Those
         # come first, then new entries.
         backlog = self.transport.stranded(self.consumer, set(self.window_ids))
+        held = set(self.window_groups)  # group ids trained since the last checkpoint, and taken for this batch
         while len(groups) < want:
             if self.stop.is_set():
                 return None
@@ -226,15 +227,13 @@ class Learner:
             trained = self.transport.trained_before([msg.group_id for _, msg in decoded])
             for (entry, msg), seen in zip(decoded, trained, strict=True):
                 # The same group twice (an actor's write retried after a lost reply): it is trained once.
-                duplicate = (
-                    seen or msg.group_id in self.window_groups or any(g.group_id == msg.group_id for g in groups)
-                )
-                reason = "duplicate" if duplicate else self.refusal(msg)
+                reason = "duplicate" if seen or msg.group_id in held else self.refusal(msg)
                 if reason:
                     drops.setdefault(reason, []).append(entry.id)
                 else:
                     ids.append(entry.id)
                     groups.append(msg)
+                    held.add(msg.group_id)
             for reason, dropped in drops.items():
                 self.transport.drop(dropped, reason)
                 self.dropped[reason] += len(dropped)
