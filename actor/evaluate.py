@@ -72,7 +72,7 @@ def evaluate(cfg: Any, n: int) -> dict[str, Any]:
     from common.tasks import make_task
     from grader.pool import open_grader
 
-    torch.set_num_threads(max(1, cfg.actor.torch_threads))
+    torch.set_num_threads(cfg.actor.torch_threads)
     check_model_path(cfg.model.path)
     task = make_task(cfg.task.name, cfg.task.eval_size, cfg.run.seed)
     problems = task.eval

@@ -63,6 +63,7 @@ def main() -> int:
         make_tiny_model(model, warm=False)
     redis_server = RedisServer(out / "redis").start()
     procs: list[subprocess.Popen] = []
+    t: Transport | None = None
     try:
         overrides = [*DEFAULTS, f"redis.url={redis_server.url}", f"model.path={model}", f"run.dir={out / 'run'}"]
         overrides += args.override
@@ -113,7 +114,7 @@ def main() -> int:
     finally:
         for proc in procs:
             stop_process(proc, grace_s=20)
-        final = read_balance(t) if "t" in locals() else None
+        final = read_balance(t) if t is not None else None
         redis_server.stop()
 
     peak_len = max(s["length"] for s in samples)
