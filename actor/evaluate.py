@@ -1,16 +1,17 @@
-"""``grpo eval``: how well a model answers a task's held-out problems, with the actors' engines and graders.
+"""``grpo eval``: how well a model answers held-out problems, with the actors' engines and graders.
 
-    grpo eval --model runs/demo/weights/v000200 --n 8 [--out report.json] [--config FILE] [-o key=value ...]
+    grpo eval --model runs/demo/weights/v000200 [--n 8] [--out report.json] [--config FILE] [-o key=value ...]
+    grpo eval --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --subset main --split test --n 8 \\
+        --config configs/gsm8k-qwen2.5-0.5b.yaml
 
-For each held-out problem (the ones ``grpo run`` never uses as RL prompts) it takes one greedy answer and ``n``
-sampled at ``sampling.temperature``, grades them like the actors do, and reports
-
-- ``accuracy_greedy``: the fraction of greedy answers that are right (the learner's ``eval/accuracy``);
-- ``mean_at_n``: the mean reward over all sampled answers (an estimate of pass@1 when sampling);
-- ``pass_at_n``: the fraction of problems with at least one right answer among the ``n``.
+Without ``--dataset`` it grades the task's held-out problems (the ones ``grpo run`` never uses as RL prompts, the
+same the learner's ``eval/accuracy`` grades). ``--dataset`` (a file, a dataset directory or a hub name) grades the
+rows of ``--split`` of it instead, all of them unless ``--limit``, with the config's field mapping, prompt template
+and chat template (``task.*``). Figures (see common/evaluation.py): ``pass_at_1`` (greedy), ``mean_at_n`` and
+``pass_at_n`` over ``n`` answers sampled at ``sampling.temperature``.
 
 The engine is ``actor.engine`` (``local`` by default; ``sglang`` serves the model from a SGLang server), the grader
-``grader.*``. The report (JSON) also lists each problem's scores.
+``grader.*``. The report (JSON, on stdout and in ``--out``) also lists each problem's scores.
 """
 
 from __future__ import annotations
@@ -30,25 +31,33 @@ from common.log import setup_logging
 log = logging.getLogger("eval")
 
 
-def summarise(greedy: list[float], sampled: list[list[float]]) -> dict[str, float]:
-    """Pure: the report's figures from each problem's greedy score and its sampled scores."""
-    n_problems = len(greedy)
-    return {
-        "accuracy_greedy": sum(1.0 for s in greedy if s >= 1.0) / n_problems,
-        "mean_at_n": sum(sum(s) / len(s) for s in sampled) / n_problems,
-        "pass_at_n": sum(1.0 for s in sampled if max(s) >= 1.0) / n_problems,
-    }
-
-
 def main(argv: Sequence[str]) -> int:
     p = role_parser("grpo eval", (__doc__ or "").splitlines()[0])
     p.add_argument("--model", required=True, help="an HF model directory (e.g. a published version) or hub name")
-    p.add_argument("--n", type=int, default=8, help="sampled answers per problem (mean@n, pass@n)")
+    p.add_argument("--n", type=int, default=8, help="sampled answers per problem (mean@n, pass@n); 0 = greedy only")
+    p.add_argument("--dataset", help="evaluate on this file, dataset directory or hub name (sets task.eval_path)")
+    p.add_argument("--subset", help="the hub dataset's configuration (task.subset), e.g. main for openai/gsm8k")
+    p.add_argument("--split", help="the split of --dataset to grade (task.eval_split; default test)")
+    p.add_argument("--limit", type=int, help="grade only the first this many problems (task.eval_size)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here too")
     args = p.parse_args(list(argv))
-    if args.n < 1:
-        p.error("--n must be at least 1")
-    cfg = load_config(args.config, [*args.override, f"model.path={args.model}"])
+    if args.n < 0:
+        p.error("--n must be 0 or more")
+    if args.limit is not None and args.limit < 1:
+        p.error("--limit must be at least 1")
+    # Strings as JSON (valid YAML): a path holding ": " or "#" stays a string.
+    overrides = [*args.override, f"model.path={json.dumps(args.model)}"]
+    if args.dataset:
+        overrides += [
+            "task.name=dataset",
+            f"task.eval_path={json.dumps(args.dataset)}",
+            f"task.eval_size={args.limit or 0}",
+        ]
+    elif args.limit:
+        overrides.append(f"task.eval_size={args.limit}")
+    overrides += [f"task.subset={json.dumps(args.subset)}"] if args.subset is not None else []
+    overrides += [f"task.eval_split={json.dumps(args.split)}"] if args.split is not None else []
+    cfg = load_config(args.config, overrides)
     setup_logging("eval", cfg.run.log_level)
     report = evaluate(cfg, args.n)
     text = json.dumps(report)
@@ -56,9 +65,10 @@ def main(argv: Sequence[str]) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
     print(text)
+    sampled = f", mean@{args.n} {report['mean_at_n']:.3f}, pass@{args.n} {report['pass_at_n']:.3f}" if args.n else ""
     print(
-        f"{report['task']}: {report['problems']} held-out problems; greedy accuracy {report['accuracy_greedy']:.3f}, "
-        f"mean@{args.n} {report['mean_at_n']:.3f}, pass@{args.n} {report['pass_at_n']:.3f} ({report['seconds']:.1f}s)",
+        f"{report['task']}: {report['problems']} problems; pass@1 (greedy) {report['pass_at_1']:.3f}{sampled} "
+        f"({report['seconds']:.1f}s)",
         file=sys.stderr,
     )
     return 0
@@ -69,42 +79,45 @@ def evaluate(cfg: Any, n: int) -> dict[str, Any]:
 
     from actor.engine import make_engine
     from common.config import check_model_path
-    from common.tasks import make_task
+    from common.evaluation import score_problems, summarise
+    from common.tasks import PromptEncoder, eval_problems
     from grader.pool import open_grader
 
     torch.set_num_threads(cfg.actor.torch_threads)
     check_model_path(cfg.model.path)
-    task = make_task(cfg.task.name, cfg.task.eval_size, cfg.run.seed)
-    problems = task.eval
+    problems = eval_problems(cfg.task, cfg.run.seed)
     t0 = time.perf_counter()
     engine = make_engine(cfg, seed=cfg.run.seed)
     grader = open_grader(cfg.grader)
     try:
-        prompts = [list(engine.tokenizer(p.prompt).input_ids) for p in problems]
-        references = [p.reference for p in problems]
-        greedy = engine.generate(prompts, 1, greedy=True)
-        sampled = engine.generate(prompts, n)
-        require_stop = cfg.task.require_stop
-        g = grader.grade_samples(engine.tokenizer, [s[0] for s in greedy], references, require_stop=require_stop)
-        flat = [s for group in sampled for s in group]
-        r = grader.grade_samples(engine.tokenizer, flat, [ref for ref in references for _ in range(n)],
-                                 require_stop=require_stop)  # fmt: skip
+        encode = PromptEncoder(engine.tokenizer, cfg.task)
+        scores = score_problems(
+            problems,
+            encode,
+            lambda prompts, k, greedy: engine.generate(prompts, k, greedy=greedy),
+            grader,
+            engine.tokenizer,
+            n=n,
+            batch=cfg.task.eval_batch,
+            require_stop=cfg.task.require_stop,
+        )
     finally:
         grader.close()
         engine.close()
-    scores = [r.scores[i * n : (i + 1) * n] for i in range(len(problems))]
     return {
         "model": cfg.model.path,
-        "task": cfg.task.name,
+        "task": cfg.task.eval_path or cfg.task.path or cfg.task.name,
         "problems": len(problems),
         "n": n,
         "temperature": cfg.sampling.temperature,
         "engine": cfg.actor.engine,
         "grader": cfg.grader.name,
-        **summarise(g.scores, scores),
-        "grader_errors": dict(g.errors + r.errors),
+        "chat_template": encode.chat,
+        **summarise(scores.greedy, scores.sampled),
+        "grader_errors": dict(scores.errors),
         "seconds": round(time.perf_counter() - t0, 2),
         "per_problem": [
-            {"id": p.id, "greedy": gs, "sampled": ss} for p, gs, ss in zip(problems, g.scores, scores, strict=True)
+            {"id": p.id, "greedy": g, "sampled": s}
+            for p, g, s in zip(problems, scores.greedy, scores.sampled, strict=True)
         ],
     }

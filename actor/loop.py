@@ -27,7 +27,7 @@ from common.generation import Sample
 from common.grpo import overlong_penalty
 from common.metrics import ActorMetrics, MetricsServer, register_endpoint
 from common.schemas import Completion, FilteredStats, GroupMessage, encode_group
-from common.tasks import Problem, make_task
+from common.tasks import Problem, PromptEncoder, make_task
 from common.transport import Transport
 from common.weights import WeightsError
 from grader.pool import GraderPool, open_grader
@@ -51,7 +51,8 @@ class Actor:
         self.engine = engine
         self.grader = grader
         self.metrics = metrics
-        self.task = make_task(cfg.task.name, cfg.task.eval_size, cfg.run.seed)
+        self.task = make_task(cfg.task, cfg.run.seed)
+        self.encode = PromptEncoder(engine.tokenizer, cfg.task)
         self.filter = ZeroStdFilter(cfg.actor.filter_zero_std, cfg.actor.max_consecutive_filtered)
         self.pending_filtered = FilteredStats()
         self.stop = threading.Event()
@@ -131,7 +132,7 @@ class Actor:
     def _encode_prompt(self, problem: Problem) -> list[int]:
         ids = self._prompt_ids.get(problem.id)
         if ids is None:
-            ids = self._prompt_ids[problem.id] = list(self.engine.tokenizer(problem.prompt).input_ids)
+            ids = self._prompt_ids[problem.id] = self.encode(problem.prompt)
         return ids
 
     def sample(self, problems: list[Problem]) -> list[list[Sample]]:

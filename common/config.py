@@ -5,7 +5,7 @@ Every process (``grpo run``, ``grpo learner``, ``grpo actor``) loads the same tr
 1. the defaults below (they are the CPU demo: single-digit addition on a tiny model);
 2. one YAML file (``--config FILE``);
 3. the environment, for secrets and deployment settings: ``GRPO_REDIS_URL``, ``GRPO_REDIS_USERNAME``,
-   ``GRPO_REDIS_PASSWORD``, ``GRPO_RUN_NAME``, ``GRPO_RUN_DIR``, ``GRPO_MODEL_PATH``;
+   ``GRPO_REDIS_PASSWORD``, ``GRPO_RUN_NAME``, ``GRPO_RUN_DIR``, ``GRPO_MODEL_PATH``, ``GRPO_TASK_PATH``;
 4. ``-o key=value`` dotted overrides from the command line (values are parsed as YAML: ``-o learner.lr=1e-3``).
 
 Invalid values raise :class:`ConfigError` whose message is one line per problem, naming the field; the CLI prints it
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import string
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -80,9 +81,70 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["addition"] = Field("addition", description="prompt source; real datasets come with their own task")
-    eval_size: int = Field(20, ge=1, description="held-out problems for eval/accuracy, never used as RL prompts")
+    # What each key means in detail, and how a row becomes a prompt: common/tasks.py's docstring.
+    name: Literal["addition", "dataset"] = Field(
+        "addition", description="addition: the demo's single-digit sums; dataset: problems from task.path"
+    )
+    path: str = Field(
+        "",
+        description="dataset: a .jsonl, .json or .parquet file, a directory of them (train.jsonl, test.jsonl, ...) "
+        "or a Hugging Face hub name; directories and hub names need the `data` extra; env GRPO_TASK_PATH",
+    )
+    subset: str = Field("", description="dataset: the configuration name of a hub dataset (openai/gsm8k: main)")
+    train_split: str = Field("train", description="dataset: the split of RL prompts (not used for a single file)")
+    eval_split: str = Field(
+        "test",
+        description="dataset: the held-out split; empty (or task.path a single file without task.eval_path): "
+        "task.eval_size rows are held out of the training rows",
+    )
+    eval_path: str = Field("", description="dataset: evaluation problems from another file or dataset")
+    prompt_field: str = Field("question", description="dataset: the row's field that is the prompt")
+    answer_field: str = Field("answer", description="dataset: the row's field the grader gets as the reference")
+    id_field: str = Field("", description="dataset: the row's field that names it; empty = its row number")
+    prompt_template: str = Field(
+        "",
+        description="dataset: the prompt as a Python format string of the row's fields, e.g. "
+        "'{question} Put the final answer after ####.' ({{ and }} for braces); empty = task.prompt_field as is",
+    )
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="auto: wrap the prompt in the tokenizer's chat template when it has one; on: require one; "
+        "off: plain text",
+    )
+    system_prompt: str = Field("", description="chat template: a system message before each prompt; empty = none")
+    eval_size: int = Field(
+        20,
+        ge=0,
+        description="held-out problems for eval/accuracy and grpo eval, never used as RL prompts: the first this "
+        "many of the eval split (0 = all), or this many held out of the training rows",
+    )
+    train_size: int = Field(0, ge=0, description="dataset: use only this many training rows (0 = all)")
+    eval_batch: int = Field(64, ge=1, description="prompts generated together during an evaluation")
     require_stop: bool = Field(True, description="a completion that did not end with end-of-sequence scores 0")
+
+    @model_validator(mode="after")
+    def _check_task(self) -> TaskConfig:
+        if self.name == "addition" and self.eval_size == 0:
+            raise ValueError("task.eval_size: the addition task holds out between 1 and 99 problems, got 0")
+        if self.prompt_template:
+            try:
+                template_fields(self.prompt_template)
+            except ValueError as e:
+                raise ValueError(f"task.prompt_template: {e}") from None
+        return self
+
+
+def template_fields(template: str) -> list[str]:
+    """The fields a prompt template names (``"{question}\\nThink."`` → ``["question"]``); raises ValueError when
+    it is not a format string, or uses positions, attributes or indexes."""
+    fields = []
+    for _, name, _, _ in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if not name.isidentifier():
+            raise ValueError(f"{{{name}}} is not a field name; write literal braces as {{{{ and }}}}")
+        fields.append(name)
+    return fields
 
 
 class SamplingConfig(_Section):
@@ -392,6 +454,7 @@ ENV_KEYS: dict[str, str] = {
     "GRPO_RUN_NAME": "run.name",
     "GRPO_RUN_DIR": "run.dir",
     "GRPO_MODEL_PATH": "model.path",
+    "GRPO_TASK_PATH": "task.path",
     "GRPO_SGLANG_URL": "sglang.url",
 }
 
@@ -427,7 +490,10 @@ def _format_errors(err: ValidationError) -> str:
         field = ".".join(str(p) for p in e["loc"]) or "config"
         got = e.get("input")
         shown = "" if isinstance(got, dict) or e["type"] == "missing" else f" (got {got!r})"
-        lines.append(f"config error: {field}: {e['msg']}{shown}")
+        msg = e["msg"].removeprefix("Value error, ")
+        # A section's own check names the key itself ("task.eval_size: ..."): no need to say the section again.
+        prefix = "" if msg.startswith(f"{field}.") else f"{field}: "
+        lines.append(f"config error: {prefix}{msg}{shown}")
     return "\n".join(lines)
 
 

@@ -99,7 +99,18 @@ class Run:
             return
         from common.tiny_model import ensure_tiny_model  # torch and transformers load only when needed
 
-        self.cfg.model.path = str(ensure_tiny_model(self.cfg.run.seed, self.cfg.task.eval_size))
+        # The demo model knows the addition task; under another task it only exercises the machinery.
+        eval_size = self.cfg.task.eval_size if self.cfg.task.name == "addition" else 20
+        self.cfg.model.path = str(ensure_tiny_model(self.cfg.run.seed, eval_size))
+
+    def check_task(self) -> None:
+        """Read the dataset once before any process starts: a wrong path or field is one line and exit 2, not
+        a crash in every child."""
+        if self.cfg.task.name != "addition":
+            from common.tasks import make_task
+
+            task = make_task(self.cfg.task, self.cfg.run.seed)
+            log.info("task: %d training prompts, %d held out", len(task.train), len(task.eval))
 
     def start_redis(self) -> None:
         if not self.cfg.redis.url:
@@ -258,6 +269,7 @@ def main(argv: Sequence[str]) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        run.check_task()
         run.prepare_dir()
         run.prepare_model()
         run.start_redis()

@@ -157,13 +157,13 @@ def make_tiny_model(
     """Build, optionally warm-start, and save the demo model; returns what the warm start measured.
 
     Written under a temporary name and renamed, so a concurrent reader never sees half a model."""
-    from common.tasks import AdditionTask
+    from common.tasks import addition_task
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed)
     report: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters()), "seed": seed}
     if warm:
-        report |= warm_start(model, tokenizer, AdditionTask(eval_size, seed).all, habit, seed)
+        report |= warm_start(model, tokenizer, addition_task(eval_size, seed).all, habit, seed)
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f".{directory.name}.{uuid.uuid4().hex[:8]}.tmp")

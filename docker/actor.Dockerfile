@@ -10,6 +10,6 @@ COPY learner ./learner
 COPY grader ./grader
 COPY configs ./configs
 # The image's torch, transformers and sglang stay as they are: only what they lack is added.
-RUN pip install --no-cache-dir . && python3 -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+RUN pip install --no-cache-dir ".[data]" && python3 -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
 ENV PYTHONUNBUFFERED=1
 CMD ["grpo", "actor", "--config", "/app/configs/compose.yaml", "-o", "actor.engine=sglang"]

@@ -8,6 +8,6 @@ COPY actor ./actor
 COPY learner ./learner
 COPY grader ./grader
 COPY configs ./configs
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir ".[data]"
 ENV PYTHONUNBUFFERED=1
 CMD ["grpo", "learner", "--config", "/app/configs/compose.yaml"]

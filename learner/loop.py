@@ -23,11 +23,12 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from common.config import Config, check_model_path, write_resolved
+from common.evaluation import score_problems
 from common.generation import generate, pad_token_id, stop_token_ids
 from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
 from common.models import load_pretrained
 from common.schemas import GroupMessage, SchemaError, decode_group
-from common.tasks import make_task
+from common.tasks import PromptEncoder, eval_problems
 from common.transport import StreamEntry, Transport, read_balance
 from common.weights import publish
 from grader.pool import GraderPool, open_grader
@@ -63,7 +64,9 @@ class Learner:
         self.tokenizer = tokenizer
         self.grader = grader
         self.metrics = metrics
-        self.task = make_task(cfg.task.name, cfg.task.eval_size, cfg.run.seed)
+        # Only the held-out problems: the learner never needs the training prompts.
+        self.eval_problems = eval_problems(cfg.task, cfg.run.seed)
+        self.encode = PromptEncoder(tokenizer, cfg.task)
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = pad_token_id(tokenizer, self.stop_ids)
         self.trainer = Trainer(cfg, model, self.pad_id, reference)
@@ -293,27 +296,19 @@ class Learner:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out problems (never used as RL prompts), graded like the actors grade."""
-        problems = self.task.eval
-        prompts = [list(self.tokenizer(p.prompt).input_ids) for p in problems]
-        samples = generate(
-            self.model,
-            prompts,
-            n=1,
-            max_new_tokens=self.cfg.sampling.max_new_tokens,
-            stop_ids=self.stop_ids,
-            pad_id=self.pad_id,
-            temperature=None,
-        )
-        result = self.grader.grade_samples(
-            self.tokenizer,
-            [g[0] for g in samples],
-            [p.reference for p in problems],
-            require_stop=self.cfg.task.require_stop,
-        )
-        accuracy = sum(result.scores) / len(result.scores)
+        """Greedy pass@1 on the held-out problems (never used as RL prompts), graded like the actors grade: the
+        evaluation of ``grpo eval`` (common/evaluation.py), with the learner's own model."""
+
+        def greedy(prompts: Any, n: int, _greedy: bool) -> Any:
+            return generate(self.model, prompts, n=n, max_new_tokens=self.cfg.sampling.max_new_tokens,
+                            stop_ids=self.stop_ids, pad_id=self.pad_id, temperature=None)  # fmt: skip
+
+        t0 = time.perf_counter()
+        scores = score_problems(self.eval_problems, self.encode, greedy, self.grader, self.tokenizer, n=0,
+                                batch=self.cfg.task.eval_batch, require_stop=self.cfg.task.require_stop)  # fmt: skip
+        accuracy = sum(1.0 for s in scores.greedy if s >= 1.0) / len(scores.greedy)
         self.metrics.eval_accuracy.set(accuracy)
-        return {"eval/accuracy": accuracy}
+        return {"eval/accuracy": accuracy, "time/eval_s": time.perf_counter() - t0}
 
     def stream_figures(self) -> dict[str, float]:
         """Groups waiting in the stream, for dashboards (one transaction, as the accounting equation reads them)."""

@@ -15,14 +15,23 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The demo model is built once per test session, in a private cache, never in the user's ~/.cache."""
-    old = os.environ.get("GRPO_CACHE_DIR")
-    os.environ["GRPO_CACHE_DIR"] = str(tmp_path_factory.mktemp("grpo-cache"))
+    """The demo model is built once per test session, in a private cache, never in the user's ~/.cache; datasets
+    are cached there too, and the Hugging Face libraries never go online (tests talk to loopback only)."""
+    cache = tmp_path_factory.mktemp("grpo-cache")
+    settings = {
+        "GRPO_CACHE_DIR": str(cache),
+        "HF_DATASETS_CACHE": str(cache / "hf-datasets"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    old = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
     yield
-    if old is None:
-        os.environ.pop("GRPO_CACHE_DIR", None)
-    else:
-        os.environ["GRPO_CACHE_DIR"] = old
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

@@ -112,4 +112,4 @@ def test_dockerfiles_copy_the_package(name: str) -> None:
     text = (REPO / "docker" / name).read_text()
     for part in ("common", "actor", "learner", "grader", "configs", "pyproject.toml"):
         assert f"COPY {part}" in text or part in text
-    assert "pip install --no-cache-dir ." in text
+    assert 'pip install --no-cache-dir ".[data]"' in text  # datasets and parquet as task.path

@@ -97,13 +97,13 @@ def test_warm_start_leaves_the_demo_model_at_its_documented_starting_point(demo_
     import json
 
     from common.models import load_pretrained
-    from common.tasks import AdditionTask
+    from common.tasks import addition_task
     from common.tiny_model import accuracy
 
     report = json.loads((demo_model_dir / "warm_start.json").read_text())
     assert report["greedy_answer_accuracy"] >= 0.99
     tok, model = load_pretrained(str(demo_model_dir), "float32", "cpu")
-    task = AdditionTask(20, 0)
+    task = addition_task(20, 0)
     torch.manual_seed(0)
     assert 0.1 <= accuracy(model, tok, task.all, greedy=False) <= 0.45  # sampled reward starts near 0.3
     assert accuracy(model, tok, task.eval, greedy=True) <= 0.1  # greedy: the habit (a space) wins

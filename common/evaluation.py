@@ -1,0 +1,84 @@
+"""Held-out evaluation, shared by the learner's ``eval/accuracy`` and ``grpo eval``: the same prompts, encoding,
+grading and figures whichever model generates (the learner's own, an actor engine, a SGLang server).
+
+For each problem: one greedy answer and, when ``n`` > 0, ``n`` sampled at ``sampling.temperature``, generated
+``task.eval_batch`` prompts at a time and graded like the actors grade.
+
+- ``pass_at_1``: the fraction of problems whose greedy answer is right (the learner's ``eval/accuracy``);
+- ``mean_at_n``: the mean reward over all sampled answers (the usual unbiased estimate of sampled pass@1);
+- ``pass_at_n``: the fraction of problems with at least one right answer among the ``n``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from common.generation import Sample
+from common.tasks import Problem
+
+# (prompts, n, greedy) -> n samples per prompt
+Generate = Callable[[Sequence[Sequence[int]], int, bool], list[list[Sample]]]
+
+
+class Grades(Protocol):
+    scores: list[float]
+    errors: Counter[str]
+
+
+class SampleGrader(Protocol):
+    def grade_samples(self, tokenizer: Any, samples: list[Any], references: list[str], *, require_stop: bool) -> Any:
+        """A :class:`Grades`: one score per sample, and the grader errors counted by kind."""
+        ...
+
+
+@dataclass
+class EvalScores:
+    greedy: list[float] = field(default_factory=list)  # one per problem
+    sampled: list[list[float]] = field(default_factory=list)  # n per problem; empty lists when n = 0
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+def score_problems(
+    problems: Sequence[Problem],
+    encode: Callable[[str], list[int]],
+    generate: Generate,
+    grader: SampleGrader,
+    tokenizer: Any,
+    *,
+    n: int,
+    batch: int,
+    require_stop: bool,
+) -> EvalScores:
+    out = EvalScores()
+    for start in range(0, len(problems), batch):
+        chunk = problems[start : start + batch]
+        prompts = [encode(p.prompt) for p in chunk]
+        references = [p.reference for p in chunk]
+        greedy = generate(prompts, 1, True)
+        g = grader.grade_samples(tokenizer, [s[0] for s in greedy], references, require_stop=require_stop)
+        out.greedy += g.scores
+        out.errors += g.errors
+        if n == 0:
+            out.sampled += [[] for _ in chunk]
+            continue
+        sampled = generate(prompts, n, False)
+        flat = [s for group in sampled for s in group]
+        r = grader.grade_samples(
+            tokenizer, flat, [ref for ref in references for _ in range(n)], require_stop=require_stop
+        )
+        out.sampled += [r.scores[i * n : (i + 1) * n] for i in range(len(chunk))]
+        out.errors += r.errors
+    return out
+
+
+def summarise(greedy: Sequence[float], sampled: Sequence[Sequence[float]]) -> dict[str, float]:
+    """Pure: the report's figures from each problem's greedy score and its sampled scores (see the module doc)."""
+    n_problems = len(greedy)
+    figures = {"pass_at_1": sum(1.0 for s in greedy if s >= 1.0) / n_problems}
+    if any(sampled):
+        figures["mean_at_n"] = sum(sum(s) / len(s) for s in sampled) / n_problems
+        figures["pass_at_n"] = sum(1.0 for s in sampled if max(s) >= 1.0) / n_problems
+    return figures
