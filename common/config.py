@@ -323,6 +323,12 @@ class LearnerConfig(_Section):
         description="malformed messages kept in the dead-letter stream, about the newest (stats count them all)",
     )
     torch_threads: int = Field(1, ge=1, description="torch CPU threads of the learner")
+    autocast: Literal["off", "bfloat16"] = Field(
+        "off",
+        description="bfloat16: the learner's forward passes (training, scoring, evaluation) in bfloat16 while its "
+        "parameters and optimizer state stay in model.dtype; with model.dtype float32 this is mixed precision, and "
+        "updates far smaller than the weights (lr 1e-6) are kept instead of rounded away",
+    )
 
     @model_validator(mode="after")
     def _fresh_enough(self) -> LearnerConfig:

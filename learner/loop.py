@@ -304,8 +304,17 @@ class Learner:
                             stop_ids=self.stop_ids, pad_id=self.pad_id, temperature=None)  # fmt: skip
 
         t0 = time.perf_counter()
-        scores = score_problems(self.eval_problems, self.encode, greedy, self.grader, self.tokenizer, n=0,
-                                batch=self.cfg.task.eval_batch, require_stop=self.cfg.task.require_stop)  # fmt: skip
+        with self.trainer.autocast():
+            scores = score_problems(
+                self.eval_problems,
+                self.encode,
+                greedy,
+                self.grader,
+                self.tokenizer,
+                n=0,
+                batch=self.cfg.task.eval_batch,
+                require_stop=self.cfg.task.require_stop,
+            )
         accuracy = sum(1.0 for s in scores.greedy if s >= 1.0) / len(scores.greedy)
         self.metrics.eval_accuracy.set(accuracy)
         return {"eval/accuracy": accuracy, "time/eval_s": time.perf_counter() - t0}

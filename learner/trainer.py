@@ -16,6 +16,7 @@ Departures from the textbook, each a config choice (the loss itself is learner.l
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,14 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, warmup=lc.warmup_steps, total=total, schedule=lc.lr_schedule)
         )
         self.generator = torch.Generator().manual_seed(cfg.run.seed)
+
+    def autocast(self) -> Any:
+        """Forward passes in bfloat16 under ``learner.autocast`` while parameters and AdamW's state keep
+        ``model.dtype``: with float32 parameters, updates far smaller than the weights (lr 1e-6) are not rounded
+        away as they are in bfloat16 parameters. Log-softmax and the loss are computed in float32 either way."""
+        if self.cfg.learner.autocast == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     @property
     def lr(self) -> float:
@@ -134,7 +143,9 @@ class Trainer:
             step_tokens = mask[rows].sum()
             self.optimizer.zero_grad(set_to_none=True)
             for micro in rows.tensor_split(lc.grad_accum):
-                logits = self.model(input_ids=batch.input_ids[micro], attention_mask=batch.attention_mask[micro]).logits
+                with self.autocast():
+                    out = self.model(input_ids=batch.input_ids[micro], attention_mask=batch.attention_mask[micro])
+                logits = out.logits
                 logp_all = torch.log_softmax(logits[:, :-1].float() / temp, dim=-1)
                 logprobs = logp_all.gather(-1, batch.input_ids[micro, 1:].unsqueeze(-1)).squeeze(-1)
                 if first is not None and not first.tokens:
@@ -194,7 +205,10 @@ class Trainer:
         for rows in torch.arange(len(batch.rewards), device=mask.device).tensor_split(
             lc.updates_per_batch * lc.grad_accum
         ):
-            logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits[:, :-1]
+            with self.autocast():
+                logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits[
+                    :, :-1
+                ]
             logp_all = torch.log_softmax(logits.float() / self.cfg.sampling.temperature, dim=-1)
             logprobs = logp_all.gather(-1, batch.input_ids[rows, 1:].unsqueeze(-1)).squeeze(-1)
             out[rows] = logprobs * mask[rows]

@@ -211,3 +211,22 @@ def test_only_the_newest_checkpoints_are_kept(policy, tmp_path: Path) -> None:  
     for step in range(1, 5):
         checkpoint.save(tmp_path, Resumable(step, step), t.model, t.optimizer, t.scheduler, t.generator, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004"]
+
+
+def test_bfloat16_parameters_lose_small_updates_that_autocast_keeps(policy) -> None:  # type: ignore[no-untyped-def]
+    """At lr 1e-6 an AdamW update is about 1e-6 per weight, far below bfloat16's resolution at the weights' size:
+    bfloat16 parameters stay as they were. float32 parameters with bfloat16 autocast (mixed precision) move."""
+    tok, model = policy
+    groups = groups_of(tok, model, [0, 0])
+
+    def changed(dtype: torch.dtype, *overrides: str) -> float:
+        trainer = trainer_for(model, "learner.lr=1e-6", "learner.updates_per_batch=1", *overrides)
+        trainer.model.to(dtype)
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        stats = trainer.step(groups, version=0)
+        assert np.isfinite(stats["loss"])
+        moved = sum(int((p.detach() != b).sum()) for p, b in zip(trainer.model.parameters(), before, strict=True))
+        return moved / sum(b.numel() for b in before)
+
+    assert changed(torch.bfloat16) < 0.05  # only weights within ~1e-4 of 0 move
+    assert changed(torch.float32, "learner.autocast=bfloat16") > 0.5
