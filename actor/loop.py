@@ -26,6 +26,7 @@ from common.config import Config, check_model_path
 from common.generation import Sample
 from common.grpo import overlong_penalty
 from common.metrics import ActorMetrics, MetricsServer, register_endpoint
+from common.models import max_positions
 from common.schemas import Completion, FilteredStats, GroupMessage, encode_group
 from common.tasks import Problem, PromptEncoder, make_task
 from common.transport import Transport
@@ -44,8 +45,11 @@ class Actor:
         engine: Engine,
         grader: GraderPool,
         metrics: ActorMetrics,
+        prompt_limit: int | None = None,
     ):
         self.cfg = cfg
+        # Prompts longer than this leave no room for an answer within the model's positions: skipped, counted.
+        self.prompt_limit = prompt_limit
         self.id = actor_id
         self.transport = transport
         self.engine = engine
@@ -61,6 +65,7 @@ class Actor:
         self.version_sampled = engine.version  # the policy version of the round being sampled
         self._prompt_ids: dict[str, list[int]] = {}
         self._warned_forward = False
+        self._warned_long = False
         self._next_heartbeat = 0.0
         self._pubsub: Any = None
 
@@ -78,6 +83,9 @@ class Actor:
                 if not self.wait_for_room():
                     continue
                 problems = self.next_problems()
+                if not problems:  # every prompt of the round was too long
+                    self.stop.wait(0.1)
+                    continue
                 samples = self.sample(problems)
                 rewards = self.grade(problems, samples)
                 self.send(problems, samples, rewards)
@@ -127,11 +135,29 @@ class Actor:
 
     def next_problems(self) -> list[Problem]:
         positions = self.transport.next_prompts(self.cfg.actor.prompts_per_round)
-        return [self.task.at(p) for p in positions]
+        problems = [self.task.at(p) for p in positions]
+        if self.prompt_limit is None:
+            return problems
+        fitting = [p for p in problems if len(self._encode_prompt(p)) <= self.prompt_limit]
+        if len(fitting) < len(problems):
+            self.metrics.prompts_skipped.inc(len(problems) - len(fitting))
+            if not self._warned_long:
+                self._warned_long = True
+                longest = max(len(self._encode_prompt(p)) for p in problems)
+                log.warning(
+                    "skipping training prompts longer than %d tokens (one has %d): raise the model's positions or "
+                    "lower sampling.max_new_tokens, or shorten the template (counted as "
+                    "grpo_actor_prompts_skipped_total; warned once)",
+                    self.prompt_limit,
+                    longest,
+                )
+        return fitting
 
     def _encode_prompt(self, problem: Problem) -> list[int]:
         ids = self._prompt_ids.get(problem.id)
         if ids is None:
+            if len(self._prompt_ids) >= 10_000:  # a cache of recent prompts, not of a whole large dataset
+                self._prompt_ids.clear()
             ids = self._prompt_ids[problem.id] = self.encode(problem.prompt)
         return ids
 
@@ -244,6 +270,14 @@ class Actor:
 # -- the process ------------------------------------------------------------------------------------------------
 
 
+def prompt_token_limit(cfg: Config) -> int | None:
+    """``task.max_prompt_tokens``, or the model's positions less the answer's room; None when unknown."""
+    if cfg.task.max_prompt_tokens:
+        return cfg.task.max_prompt_tokens
+    positions = max_positions(cfg.model.path)
+    return None if positions is None else max(1, positions - cfg.sampling.max_new_tokens)
+
+
 def run_actor(cfg: Config) -> int:
     torch.set_num_threads(cfg.actor.torch_threads)
     check_model_path(cfg.model.path)
@@ -266,7 +300,7 @@ def run_actor(cfg: Config) -> int:
     engine: Engine | None = None
     try:
         engine = make_engine(cfg, seed=cfg.run.seed * 1_000_003 + os.getpid())
-        actor = Actor(cfg, actor_id, transport, engine, grader, metrics)
+        actor = Actor(cfg, actor_id, transport, engine, grader, metrics, prompt_token_limit(cfg))
         stop = actor.stop
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

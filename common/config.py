@@ -120,6 +120,13 @@ class TaskConfig(_Section):
     )
     train_size: int = Field(0, ge=0, description="dataset: use only this many training rows (0 = all)")
     eval_batch: int = Field(64, ge=1, description="prompts generated together during an evaluation")
+    max_prompt_tokens: int = Field(
+        0,
+        ge=0,
+        description="training prompts longer than this many tokens (chat template included) are skipped by the actors, "
+        "counted (grpo_actor_prompts_skipped_total) and warned about; 0 = the model's positions "
+        "(max_position_embeddings) minus sampling.max_new_tokens",
+    )
     require_stop: bool = Field(True, description="a completion that did not end with end-of-sequence scores 0")
 
     @model_validator(mode="after")
@@ -345,6 +352,11 @@ class LearnerConfig(_Section):
 class WeightsConfig(_Section):
     dir: str = Field("", description="shared weights directory; empty = <run.dir>/weights")
     keep: int = Field(3, ge=2, description="published versions kept on disk (older ones are deleted)")
+    dtype: Literal["model", "bfloat16", "float16", "float32"] = Field(
+        "model",
+        description="dtype of the published tensors; model = the learner's (model.dtype); bfloat16 with a float32 "
+        "learner (learner.autocast) publishes what the actors serve, in half the bytes",
+    )
 
 
 class CheckpointConfig(_Section):
@@ -479,15 +491,30 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 
 
 def parse_override(item: str) -> tuple[str, Any]:
-    """``"learner.lr=1e-3"`` → ``("learner.lr", 1e-3)``; the value is read as YAML (numbers, booleans, lists)."""
+    """``"learner.lr=1e-3"`` → ``("learner.lr", 1e-3)``; the value is read as YAML (numbers, booleans, lists),
+    except that a text key takes the text as written unless YAML reads it as a string too: a template such as
+    ``task.prompt_template={question} Answer:`` is not a YAML mapping, and quotes still work."""
     key, sep, raw = item.partition("=")
     if not sep:
         raise ConfigError(f"config error: override {item!r} is not key=value")
+    key = key.strip()
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip(), value
+    if not isinstance(value, str) and _is_text_key(key):
+        value = raw
+    return key, value
+
+
+def _is_text_key(key: str) -> bool:
+    node: Any = Config
+    for part in key.split("."):
+        field = getattr(node, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        node = field.annotation
+    return node is str
 
 
 def _format_errors(err: ValidationError) -> str:

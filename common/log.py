@@ -16,8 +16,10 @@ def setup_logging(role: str, level: str = "INFO") -> logging.Logger:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("urllib3", "filelock", "transformers", "httpx"):
+    for noisy in ("urllib3", "filelock", "transformers", "httpx", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # datasets reading a local directory: "Repo card metadata block was not found", once per split, in every process.
+    logging.getLogger("huggingface_hub.repocard").setLevel(logging.ERROR)
     # transformers prints progress bars when it saves or loads weights; a training loop does that every step.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:

@@ -88,6 +88,9 @@ class ActorMetrics(RedisMetrics):
         self.groups_forwarded = Counter(
             "grpo_actor_groups_forwarded_zero_std", "zero-std groups sent because resampling hit its limit", registry=r
         )
+        self.prompts_skipped = Counter(
+            "grpo_actor_prompts_skipped", "training prompts longer than task.max_prompt_tokens, not sampled", registry=r
+        )
         self.completions = Counter("grpo_actor_completions", "completions generated", registry=r)
         self.tokens = Counter("grpo_actor_tokens_generated", "completion tokens generated", registry=r)
         self.reward = Gauge("grpo_actor_reward_mean", "mean reward of the last round", registry=r)

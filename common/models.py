@@ -14,3 +14,11 @@ def load_pretrained(path: str, dtype: str, device: str) -> tuple[Any, Any]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return tokenizer, model.to(device).eval()
+
+
+def max_positions(path: str) -> int | None:
+    """The longest sequence the model takes (``max_position_embeddings`` of its config), None when it does not say."""
+    from transformers import AutoConfig
+
+    value = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    return int(value) if value else None

@@ -9,6 +9,7 @@ The digest covers every ``*.safetensors`` file in name order; actors check it be
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -59,14 +60,25 @@ class Published:
     seconds: float
 
 
-def publish(model: Any, tokenizer: Any, root: str | os.PathLike[str], version: int, keep: int) -> Published:
-    """Write ``version`` atomically and prune old versions. The caller announces it (see Transport)."""
+def publish(
+    model: Any, tokenizer: Any, root: str | os.PathLike[str], version: int, keep: int, dtype: str = "model"
+) -> Published:
+    """Write ``version`` atomically and prune old versions. The caller announces it (see Transport).
+
+    ``dtype`` (``weights.dtype``): the floating-point tensors are written in it (``model``: as they are), and the
+    saved ``config.json`` says so; a float32 learner then publishes the bfloat16 its actors serve, half the bytes."""
     t0 = time.perf_counter()
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-v{version:06d}-{uuid.uuid4().hex[:8]}"
     try:
-        model.save_pretrained(tmp, safe_serialization=True, max_shard_size="50GB")
+        state = None
+        if dtype != "model":
+            cast = getattr(torch, dtype)
+            state = {k: v.to(cast) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True, max_shard_size="50GB")
+        if state is not None:
+            _set_config_dtype(tmp / "config.json", dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         sha, nbytes = digest(tmp)
@@ -81,6 +93,14 @@ def publish(model: Any, tokenizer: Any, root: str | os.PathLike[str], version: i
     prune(root, keep)
     ann = WeightsAnnouncement(version=version, uri=str(final), sha256=sha)
     return Published(ann, nbytes, time.perf_counter() - t0)
+
+
+def _set_config_dtype(path: Path, dtype: str) -> None:
+    config = json.loads(path.read_text())
+    for key in ("dtype", "torch_dtype"):  # the name transformers writes changed between versions
+        if key in config:
+            config[key] = dtype
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def prune(root: str | os.PathLike[str], keep: int) -> None:

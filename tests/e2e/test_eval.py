@@ -32,13 +32,16 @@ def grpo_eval(model: Path, out: Path, *extra: str) -> dict:
 
 
 def write_sums(root: Path) -> Path:
-    """The demo's problems as a dataset directory of another layout: train.jsonl (80 rows) and test.jsonl (20)."""
+    """The demo's problems as a dataset directory of another layout: train.jsonl (80 rows + 5 too long) and
+    test.jsonl (20)."""
     import random
 
     rows = [{"question": f"{a}+{b}", "answer": str(a + b)} for a in range(10) for b in range(10)]
     random.Random(1).shuffle(rows)
     root.mkdir(parents=True)
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[20:]))
+    # Five training rows too long for the tiny model's 128 positions: actors skip them (and say so).
+    long = [{"question": " " * 150 + f"{a}+{a}", "answer": str(2 * a)} for a in range(5)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[20:] + long))
     (root / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:20]))
     return root
 
@@ -83,6 +86,8 @@ def test_a_run_on_a_dataset_directory_learns_and_eval_reads_its_test_split(
     assert after["pass_at_1"] > before["pass_at_1"] and after["mean_at_n"] > before["mean_at_n"]
     assert after["pass_at_1"] == rows[-1]["eval/accuracy"]  # the learner graded the same test split
     assert [p["id"] for p in after["per_problem"]] == [f"eval-{i}" for i in range(20)]
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("actor-*.log"))
+    assert "skipping training prompts longer than 124 tokens (one has 15" in logs  # 128 positions - 4 new tokens
 
 
 @pytest.mark.parametrize(

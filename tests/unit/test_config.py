@@ -132,3 +132,13 @@ def test_every_option_is_documented_and_the_reference_is_current() -> None:
     assert undocumented == []
     doc = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert doc.read_text() == reference_markdown() + "\n", "run: python -m common.config > docs/configuration.md"
+
+
+def test_text_overrides_are_taken_as_written() -> None:
+    """YAML would read a template as a mapping ({question: ...}) or cut it at ' #': text keys keep the text."""
+    cfg = load_config(
+        overrides=["task.prompt_template={question:.40} #### {answer}", 'task.subset="main"', "run.name=2024"], env={}
+    )
+    assert cfg.task.prompt_template == "{question:.40} #### {answer}"
+    assert (cfg.task.subset, cfg.run.name) == ("main", "2024")
+    assert load_config(overrides=["learner.betas=[0.9, 0.95]"], env={}).learner.betas == (0.9, 0.95)

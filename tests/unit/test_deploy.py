@@ -107,6 +107,49 @@ def test_the_compose_run_config_loads() -> None:
     assert cfg.weights.dir == "/weights" and cfg.metrics.host == "0.0.0.0" and cfg.model.device == "cuda"
 
 
+def test_compose_runs_the_config_named_by_grpo_config() -> None:
+    services = compose()["services"]
+    for role in ("learner", "actor"):
+        command = services[role]["command"]
+        assert command[command.index("--config") + 1] == "/app/${GRPO_CONFIG:-configs/compose.yaml}"
+        assert "${GRPO_DATA_DIR:-./data}:/data:ro" in services[role]["volumes"]
+        assert services[role]["environment"]["GRPO_TASK_PATH"] == "${GRPO_TASK_PATH:-}"
+    listed = dict(re.findall(r"^([A-Z0-9_]+)=(.*)$", (REPO / ".env.example").read_text(), re.M))
+    assert (REPO / listed["GRPO_CONFIG"]).is_file()
+
+
+RECIPE = REPO / "configs" / "gsm8k-qwen2.5-0.5b.yaml"
+
+
+def test_the_gsm8k_recipe_is_deepseekmaths_experiment_for_compose() -> None:
+    env = {"GRPO_MODEL_PATH": "Qwen/Qwen2.5-0.5B-Instruct", "GRPO_REDIS_URL": "redis://redis:6379/0"}
+    cfg = load_config(RECIPE, ["metrics.port=9400", "actor.engine=sglang"], env=env)
+    t, lc = cfg.task, cfg.learner
+    assert (t.name, t.path, t.subset, t.train_split, t.eval_split, t.eval_size) == (
+        "dataset", "openai/gsm8k", "main", "train", "test", 0
+    )  # fmt: skip
+    assert "{question}" in t.prompt_template and "####" in t.prompt_template and cfg.grader.name == "gsm8k"
+    assert 8 <= cfg.actor.group_size <= 16 and 5e-7 <= lc.lr <= 2e-6 and lc.beta == 0.0
+    assert (lc.loss_type, lc.epsilon_low, lc.epsilon_high) == ("dapo", 0.2, 0.28) and cfg.actor.filter_zero_std
+    # Mixed precision: float32 parameters (1e-6 updates survive), bfloat16 compute and published weights.
+    assert (cfg.model.dtype, lc.autocast, cfg.weights.dtype) == ("float32", "bfloat16", "bfloat16")
+    assert cfg.weights.dir == "/weights" and cfg.metrics.host == "0.0.0.0" and cfg.model.device == "cuda"
+    # Offline, the same recipe reads a local copy (GRPO_TASK_PATH, .env.example) instead of the hub.
+    offline = load_config(RECIPE, ["task.subset="], env={**env, "GRPO_TASK_PATH": "/data/gsm8k"})
+    assert offline.task.path == "/data/gsm8k"
+
+
+def test_the_gsm8k_recipe_reads_gsm8k(shared_dir: Path) -> None:
+    pytest.importorskip("datasets", reason="the data extra (datasets) is not installed")
+    from common.tasks import make_task
+
+    cfg = load_config(RECIPE, [f"task.path={shared_dir / 'data' / 'gsm8k'}", "task.subset="], env={})
+    task = make_task(cfg.task, cfg.run.seed)
+    assert (len(task.train), len(task.eval)) == (7473, 1319)
+    assert task.eval[0].prompt.startswith("Janet") and task.eval[0].prompt.endswith('after "####".')
+    assert task.eval[0].reference.endswith("#### 18")
+
+
 @pytest.mark.parametrize("name", ["learner.Dockerfile", "actor.Dockerfile"])
 def test_dockerfiles_copy_the_package(name: str) -> None:
     text = (REPO / "docker" / name).read_text()

@@ -67,3 +67,23 @@ def test_publish_is_atomic_verified_and_pruned(tiny_model_dir: Path, tmp_path: P
         load_state_dict(WeightsAnnouncement(4, ann.uri, "0" * 64))
     with pytest.raises(WeightsError, match="pruned"):
         load_state_dict(pubs[0].announcement)
+
+
+def test_publish_can_cast_to_the_serving_dtype(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    full = publish(model, None, tmp_path / "w", 1, keep=2)
+    half = publish(model, None, tmp_path / "w", 2, keep=2, dtype="bfloat16")
+    assert 0.45 < half.nbytes / full.nbytes < 0.55
+    config = json.loads((Path(half.announcement.uri) / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    state, _ = load_state_dict(half.announcement)
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    load_into(other, state)  # an engine in float32 takes them, rounded
+    for (name, a), (_, b) in zip(other.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b.to(torch.bfloat16).float()), name
+    assert torch.equal(model.state_dict()["lm_head.weight"], model.state_dict()["model.embed_tokens.weight"])
