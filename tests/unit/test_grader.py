@@ -35,6 +35,10 @@ def test_exact_strips_whitespace() -> None:
         ("The answer is $1,234.00.", 1.0),
         ("I think 12 then 1234", 1.0),  # the last number when there is no marker
         ("#### 1234 but then 99", 1.0),  # a marker beats a later bare number
+        ("#### 1234 ... \\boxed{7}", 1.0),  # "####" before \boxed before "the answer is"
+        ("the answer is 7. #### 1,234", 1.0),
+        ("It costs €1,234.", 1.0),
+        ("I get £1,234.00", 1.0),
         ("The answer is 1233", 0.0),
         ("no numbers here", 0.0),
         ("9" * 200_000, 0.0),  # a megabyte-scale number is not a hang
@@ -53,7 +57,18 @@ def test_gsm8k_number_normalisation() -> None:
 
 @pytest.mark.parametrize(
     ("completion", "reference", "score"),
-    [("$\\frac{1}{2}$", "0.5", 1.0), ("The result is $x^2+2x$", "2x + x^2", 1.0), ("$3$", "4", 0.0)],
+    [
+        ("$\\frac{1}{2}$", "0.5", 1.0),
+        ("The result is $x^2+2x$", "2x + x^2", 1.0),
+        ("$3$", "4", 0.0),
+        ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),  # LaTeX fraction against a decimal
+        ("The answer is $\\frac{6}{8}$", "\\frac{3}{4}", 1.0),  # unreduced against reduced
+        ("$\\sqrt{4}$", "2", 1.0),
+        ("$(1, 2]$", "(1,2]", 1.0),  # intervals
+        ("$50\\%$", "0.5", 1.0),
+        ("$x = 3$", "3", 1.0),  # an equation's right-hand side
+        ("\\boxed{\\frac{1}{3}}", "0.33", 0.0),  # close is not equal
+    ],
 )
 def test_math_verify(completion: str, reference: str, score: float) -> None:
     assert get_grader("math")(completion, reference) == score
