@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -133,8 +133,11 @@ def as_text(v: bytes | str) -> str:
 # --- encoding -------------------------------------------------------------------------------------------------
 
 
+_LITTLE_ENDIAN = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4")}
+
+
 def _array(a: np.ndarray, dtype: str) -> dict[str, Any]:
-    return {"dtype": dtype, "data": np.ascontiguousarray(a, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()}
+    return {"dtype": dtype, "data": np.ascontiguousarray(a, dtype=_LITTLE_ENDIAN[dtype]).tobytes()}
 
 
 def encode_group(msg: GroupMessage) -> bytes:
@@ -173,6 +176,8 @@ def encode_group(msg: GroupMessage) -> bytes:
 
 
 def _keys(d: Any, where: str, required: set[str]) -> dict[str, Any]:
+    if type(d) is dict and d.keys() == required:  # the common case, without building sets
+        return d
     if not isinstance(d, dict):
         raise SchemaError(f"{where}: expected a map, got {type(d).__name__}")
     keys = set(d)
@@ -227,20 +232,82 @@ def _decode_array(v: Any, where: str, allowed: dict[str, np.dtype], out: np.dtyp
     n = len(data) // dtype.itemsize
     if not 1 <= n <= _MAX_TOKENS:
         raise SchemaError(f"{where}: {n} elements outside [1, {_MAX_TOKENS}]")
+    # Values are range-checked by _check_values, once per group (per-array reductions cost more than decoding).
+    # Ids are cast before that check only when they fit, so that an int64 id of 2^32 cannot wrap into range.
     arr = np.frombuffer(data, dtype=dtype)
-    if arr.dtype.kind == "i" and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+    if arr.dtype.kind == "i" and arr.dtype.itemsize > 4 and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
         raise SchemaError(f"{where}: token ids must be in [0, 2^31)")
     return arr.astype(out)
 
 
-def _decode_completion(v: Any, where: str) -> Completion:
-    d = _keys(v, where, {"token_ids", "logprobs", "reward", "finish_reason"})
-    ids = _decode_array(d["token_ids"], f"{where}.token_ids", _ID_DTYPES, np.dtype(np.int32))
-    lps = _decode_array(d["logprobs"], f"{where}.logprobs", _FLOAT_DTYPES, np.dtype(np.float32))
+def _ids_ok(a: np.ndarray) -> bool:
+    return bool(a.min() >= 0)
+
+
+def _logprobs_ok(a: np.ndarray) -> bool:
+    return bool(np.isfinite(a).all() and a.max() <= _LOGPROB_SLACK)
+
+
+def _check_values(prompt_ids: np.ndarray, completions: Sequence[Completion]) -> None:
+    """Token ids in [0, 2^31) and log-probs finite and <= 0, checked over the whole group at once; only when that
+    fails are the arrays looked at one by one, to name the bad one."""
+    if _ids_ok(np.concatenate([prompt_ids, *(c.token_ids for c in completions)])) and _logprobs_ok(
+        np.concatenate([c.logprobs for c in completions])
+    ):
+        return
+    if not _ids_ok(prompt_ids):
+        raise SchemaError("prompt_ids: token ids must be in [0, 2^31)")
+    for i, c in enumerate(completions):
+        if not _ids_ok(c.token_ids):
+            raise SchemaError(f"completions[{i}].token_ids: token ids must be in [0, 2^31)")
+        if not _logprobs_ok(c.logprobs):
+            raise SchemaError(f"completions[{i}].logprobs: must be finite and <= 0")
+
+
+_INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
+_COMPLETION_KEYS = {"token_ids", "logprobs", "reward", "finish_reason"}
+_ARRAY_KEYS = {"dtype", "data"}
+
+
+def _decode_completion(v: Any, i: int) -> Completion:
+    # Hot path (a batch decodes thousands of these): the error's location string is built only on failure.
+    if type(v) is dict and v.keys() == _COMPLETION_KEYS:
+        t, lp = v["token_ids"], v["logprobs"]
+        if (
+            type(t) is dict
+            and type(lp) is dict
+            and t.keys() == _ARRAY_KEYS
+            and lp.keys() == _ARRAY_KEYS
+            and t["dtype"] == "int32"
+            and lp["dtype"] == "float32"
+            and type(t["data"]) is bytes
+            and type(lp["data"]) is bytes
+            and len(t["data"]) == len(lp["data"])
+            and 0 < len(t["data"]) <= 4 * _MAX_TOKENS
+            and len(t["data"]) % 4 == 0
+            and type(v["finish_reason"]) is str
+            and v["finish_reason"] in FINISH_REASONS
+            and type(v["reward"]) is float
+            and 0.0 <= v["reward"] <= 1.0
+        ):
+            # Read-only views of the message's bytes, no copies: a decoded message is immutable, and the learner
+            # copies what it trains on into tensors anyway.
+            return Completion(
+                np.frombuffer(t["data"], dtype=_LITTLE_ENDIAN["int32"]),
+                np.frombuffer(lp["data"], dtype=_LITTLE_ENDIAN["float32"]),
+                v["reward"],
+                cast(FinishReason, v["finish_reason"]),
+            )
+    return _decode_completion_checked(v, f"completions[{i}]")
+
+
+def _decode_completion_checked(v: Any, where: str) -> Completion:
+    """Every check with its message: other dtypes, wrong types, and everything malformed."""
+    d = _keys(v, where, _COMPLETION_KEYS)
+    ids = _decode_array(d["token_ids"], f"{where}.token_ids", _ID_DTYPES, _INT32)
+    lps = _decode_array(d["logprobs"], f"{where}.logprobs", _FLOAT_DTYPES, _FLOAT32)
     if len(ids) != len(lps):
         raise SchemaError(f"{where}: {len(ids)} tokens but {len(lps)} log-probs")
-    if not np.all(np.isfinite(lps)) or lps.max() > _LOGPROB_SLACK:
-        raise SchemaError(f"{where}.logprobs: must be finite and <= 0")
     reason = d["finish_reason"]
     if not isinstance(reason, str) or reason not in FINISH_REASONS:
         raise SchemaError(f"{where}.finish_reason: {reason!r} not one of {sorted(FINISH_REASONS)}")
@@ -294,14 +361,17 @@ def decode_group(raw: bytes) -> GroupMessage:
     comps = d["completions"]
     if not isinstance(comps, list) or not 1 <= len(comps) <= _MAX_COMPLETIONS:
         raise SchemaError(f"completions: expected a list of 1..{_MAX_COMPLETIONS} completions")
+    prompt_ids = _decode_array(d["prompt_ids"], "prompt_ids", _ID_DTYPES, _INT32)
+    completions = tuple(_decode_completion(c, i) for i, c in enumerate(comps))
+    _check_values(prompt_ids, completions)
     return GroupMessage(
         group_id=_str(d["group_id"], "group_id"),
         prompt_id=_str(d["prompt_id"], "prompt_id"),
         policy_version=_int(d["policy_version"], "policy_version"),
         actor_id=_str(d["actor_id"], "actor_id"),
         created_at=_float(d["created_at"], "created_at", 0.0),
-        prompt_ids=_decode_array(d["prompt_ids"], "prompt_ids", _ID_DTYPES, np.dtype(np.int32)),
-        completions=tuple(_decode_completion(c, f"completions[{i}]") for i, c in enumerate(comps)),
+        prompt_ids=prompt_ids,
+        completions=completions,
         zero_std=_bool(d["zero_std"], "zero_std"),
         filtered=_decode_filtered(d["filtered"]),
     )

@@ -22,3 +22,14 @@ def test_learner_throughput_runs_the_real_trainer() -> None:
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["tokens_per_step"] == 4 * 4 * (16 + 32) and report["tokens_per_s"] > 0
     assert 0 < report["mfu"] < 1
+
+
+@pytest.mark.parametrize("script", ["transport.py", "weights.py"])
+def test_b3_and_b4_measure_both_paths_in_one_run(script: str) -> None:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    cases = report.get("cases", [report])
+    for case in cases:  # figures, not verdicts: the goals are checked by reading them, on a quiet machine
+        assert case["ratio"] > 0 and case["goal"] == 0.5

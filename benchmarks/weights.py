@@ -1,0 +1,110 @@
+"""B4 weights: publishing a version and an actor loading it — ``common.weights.publish`` (HF save_pretrained,
+tokenizer, sha256, atomic rename, pruning) then ``load_state_dict`` (read, verify the digest) and ``load_into`` —
+against raw ``safetensors.torch.save_file`` and ``load_file`` of the same state dict, measured in the same run.
+
+    .venv/bin/python benchmarks/weights.py [--quick] [--out result.json]
+
+The model is a randomly initialised Llama (about 53M parameters in --quick mode, 160M otherwise) in float32; the
+two paths alternate trial by trial and the figure is the median of raw seconds ÷ project seconds (goal ≥ 0.5).
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from common.weights import load_into, load_state_dict, publish  # noqa: E402
+
+SIZES = {
+    "25m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8),
+    "100m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+}  # fmt: skip
+
+
+def build(size: str) -> tuple[torch.nn.Module, int]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32000, tie_word_embeddings=False, **SIZES[size]))
+    return model.eval(), sum(p.numel() for p in model.parameters())
+
+
+def project(model: torch.nn.Module, engine: torch.nn.Module, root: Path, version: int) -> float:
+    t0 = time.perf_counter()
+    pub = publish(model, None, root, version, keep=2)
+    state, _ = load_state_dict(pub.announcement)
+    load_into(engine, state)
+    return time.perf_counter() - t0
+
+
+def raw(model: torch.nn.Module, path: Path) -> float:
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    t0 = time.perf_counter()
+    save_file(state, str(path))
+    load_file(str(path))
+    elapsed = time.perf_counter() - t0
+    path.unlink()
+    return elapsed
+
+
+def run(quick: bool) -> dict[str, object]:
+    hf_logging.disable_progress_bar()
+    size = "25m" if quick else "100m"
+    trials = 3 if quick else 5
+    model, n_params = build(size)
+    engine, _ = build(size)
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-weights-") as tmp:
+        root = Path(tmp)
+        project(model, engine, root / "weights", 0)  # warm-up: imports, page cache
+        raw(model, root / "raw.safetensors")
+        p_s, r_s, ratios = [], [], []
+        for v in range(1, trials + 1):
+            p = project(model, engine, root / "weights", v)
+            r = raw(model, root / "raw.safetensors")
+            p_s.append(p)
+            r_s.append(r)
+            ratios.append(r / p)
+        shutil.rmtree(root / "weights", ignore_errors=True)
+    ratio = statistics.median(ratios)
+    return {
+        "name": "B4 weights",
+        "parameters": n_params,
+        "bytes": n_params * 4,
+        "project_s": statistics.median(p_s),
+        "raw_s": statistics.median(r_s),
+        "ratio": ratio,
+        "ratio_min": min(ratios),
+        "goal": 0.5,
+        "ok": ratio >= 0.5,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a smaller model and fewer trials")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    result = run(args.quick)
+    text = json.dumps(result)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
