@@ -89,6 +89,8 @@ class Actor:
                 samples = self.sample(problems)
                 rewards = self.grade(problems, samples)
                 self.send(problems, samples, rewards)
+                if self.cfg.actor.synchronous:
+                    self.wait_for_new_version()
             return "asked to stop"
         finally:
             self._pubsub.close()
@@ -112,6 +114,22 @@ class Actor:
         self.metrics.weight_load_seconds.observe(seconds)
         self.metrics.policy_version.set(ann.version)
         log.debug("loaded weights v%d (%.1f MB) in %.3fs", ann.version, nbytes / 1e6, seconds)
+
+    def wait_for_new_version(self) -> None:
+        """The synchronous baseline (actor.synchronous): sample again only with weights newer than this round's
+        (the wait counts as backpressure)."""
+
+        def behind() -> bool:
+            ann = self.transport.latest_weights()
+            return ann is None or ann.version <= self.version_sampled
+
+        # Not _wait: an announcement that arrived while this round was sampled (the previous version's) must not end
+        # the wait, so every wake-up re-checks the announced version.
+        t0 = time.perf_counter()
+        while not self.stop.is_set() and not self.transport.is_done() and behind():
+            self.heartbeat()
+            self._pubsub.get_message(timeout=0.2)
+        self.metrics.backpressure_seconds.inc(time.perf_counter() - t0)
 
     def wait_for_room(self) -> bool:
         """Backpressure: while a whole round would not fit under the bound on unread groups, wait (a weights

@@ -240,6 +240,11 @@ class ActorConfig(_Section):
         "sim = random tokens, for load tests",
     )
     sim_tokens_per_s: float = Field(2000.0, gt=0, description="sim engine: tokens per second it produces")
+    synchronous: bool = Field(
+        False,
+        description="after each round, wait for a newer weights version before sampling again: a synchronous RL "
+        "loop, the baseline of benchmarks/overlap.py (B1); off = the asynchronous pipeline",
+    )
     group_size: int = Field(8, ge=2, description="completions per prompt (G); below 2 there is no baseline")
     prompts_per_round: int = Field(16, ge=1, description="prompts generated together in one engine call")
     filter_zero_std: bool = Field(True, description="DAPO dynamic sampling: drop groups whose rewards are all equal")
@@ -330,6 +335,12 @@ class LearnerConfig(_Section):
         description="malformed messages kept in the dead-letter stream, about the newest (stats count them all)",
     )
     torch_threads: int = Field(1, ge=1, description="torch CPU threads of the learner")
+    min_step_s: float = Field(
+        0.0,
+        ge=0,
+        description="pad each training step to at least this many seconds: a learner step of controlled time, "
+        "for benchmarks (B1 overlap); 0 = off",
+    )
     autocast: Literal["off", "bfloat16"] = Field(
         "off",
         description="bfloat16: the learner's forward passes (training, scoring, evaluation) in bfloat16 while its "

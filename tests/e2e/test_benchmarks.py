@@ -33,3 +33,13 @@ def test_b3_and_b4_measure_both_paths_in_one_run(script: str) -> None:
     cases = report.get("cases", [report])
     for case in cases:  # figures, not verdicts: the goals are checked by reading them, on a quiet machine
         assert case["ratio"] > 0 and case["goal"] == 0.5
+
+
+def test_b1_runs_the_pipeline_synchronously_and_asynchronously() -> None:
+    cmd = [sys.executable, str(REPO / "benchmarks" / "overlap.py"), "--ratios", "1", "--steps", "5"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (case,) = json.loads(done.stdout.strip().splitlines()[-1])["cases"]
+    assert case["ideal_speedup"] == 2.0 and case["sync_s_per_step"] > 0 and case["async_s_per_step"] > 0
+    # actor.synchronous: every round is sampled with the weights of the step before it is trained.
+    assert case["sync_staleness_max"] == 0

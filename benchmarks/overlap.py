@@ -1,0 +1,108 @@
+"""B1 overlap: the asynchronous pipeline against the same system run synchronously, for generation time g and
+learner step time t with g / t in {0.25, 1, 4}.
+
+    .venv/bin/python benchmarks/overlap.py [--quick] [--out result.json]
+
+Each measurement is a real `grpo run` (one learner, one actor, a private Redis): the `sim` engine generates a
+round of random tokens at a rate set so that a round takes g on average, and the learner trains the tiny model on
+it, padded to t (`learner.min_step_s`). One round is one batch. Synchronously (`actor.synchronous=true`) the actor
+waits for the weights of each step before sampling the next round, so a step costs about g + t; asynchronously it
+samples while the learner trains, so a step ideally costs max(g, t). The figure is the measured speedup (synchronous
+seconds per step ÷ asynchronous) as a fraction of that ideal, (g + t) / max(g, t); goal ≥ 0.9. Seconds per step
+are the median of the learner's `time/step_s` after the first steps. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+STEP_S = 0.4  # t
+GROUP, PROMPTS, MAX_TOKENS = 4, 4, 8
+COMMON = [
+    "run.actors=1",
+    "actor.engine=sim",
+    "actor.filter_zero_std=false",  # random tokens all score 0: every group would be filtered
+    f"actor.group_size={GROUP}",
+    f"actor.prompts_per_round={PROMPTS}",
+    f"learner.batch_groups={PROMPTS}",  # one round is one batch
+    f"actor.max_stream_groups={PROMPTS}",  # at most one batch waits: staleness stays within the bound below
+    "learner.max_staleness=4",
+    "learner.updates_per_batch=1",
+    f"sampling.max_new_tokens={MAX_TOKENS}",
+    f"learner.min_step_s={STEP_S}",
+    "learner.eval_every=1000000",
+    "checkpoint.every=1000000",
+    "task.eval_size=2",
+    "grader.isolation=inline",
+]
+
+
+def seconds_per_step(g: float, synchronous: bool, steps: int, root: Path) -> tuple[float, float]:
+    """Median seconds per step, and the largest staleness trained on (0 when synchronous)."""
+    # The sim engine's round has PROMPTS x GROUP completions of 1..MAX_TOKENS tokens, (MAX_TOKENS + 1) / 2 on average.
+    rate = PROMPTS * GROUP * (MAX_TOKENS + 1) / 2 / g
+    run_dir = root / f"g{g}-{'sync' if synchronous else 'async'}"
+    cmd = [sys.executable, "-m", "common.cli", "run", "--plain"]
+    for o in [*COMMON, f"run.steps={steps}", f"run.dir={run_dir}", f"actor.sim_tokens_per_s={rate}",
+              f"actor.synchronous={str(synchronous).lower()}"]:  # fmt: skip
+        cmd += ["-o", o]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"grpo run failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [r["time/step_s"] for r in rows if r["step"] > 2]  # after the first steps (loading, first rounds)
+    return statistics.median(times), max(r["staleness/max"] for r in rows if r["step"] > 0)
+
+
+def run(quick: bool, ratios: tuple[float, ...] = (0.25, 1.0, 4.0), steps: int | None = None) -> dict[str, object]:
+    steps = steps or (12 if quick else 30)
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-overlap-") as tmp:
+        for ratio in ratios:
+            g = ratio * STEP_S
+            sync, sync_staleness = seconds_per_step(g, True, steps, Path(tmp))
+            asyn, async_staleness = seconds_per_step(g, False, steps, Path(tmp))
+            ideal = (g + STEP_S) / max(g, STEP_S)
+            cases.append(
+                {
+                    "g_over_t": ratio,
+                    "g_s": g,
+                    "t_s": STEP_S,
+                    "sync_s_per_step": sync,
+                    "async_s_per_step": asyn,
+                    "speedup": sync / asyn,
+                    "ideal_speedup": ideal,
+                    "fraction_of_ideal": sync / asyn / ideal,
+                    "goal": 0.9,
+                    "sync_staleness_max": sync_staleness,
+                    "async_staleness_max": async_staleness,
+                }
+            )
+    return {"name": "B1 overlap", "cases": cases, "ok": all(c["fraction_of_ideal"] >= 0.9 for c in cases)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps per run")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.25, 1.0, 4.0], help="values of g / t")
+    p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 12 quick, 30 full)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    result = run(args.quick, tuple(args.ratios), args.steps)
+    text = json.dumps(result)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
