@@ -40,7 +40,6 @@ COMMON = [
     f"learner.min_step_s={STEP_S}",
     "learner.eval_every=1000000",
     "checkpoint.every=1000000",
-    "task.eval_size=2",
     "grader.isolation=inline",
 ]
 

@@ -43,3 +43,17 @@ def test_b1_runs_the_pipeline_synchronously_and_asynchronously() -> None:
     assert case["ideal_speedup"] == 2.0 and case["sync_s_per_step"] > 0 and case["async_s_per_step"] > 0
     # actor.synchronous: every round is sampled with the weights of the step before it is trained.
     assert case["sync_staleness_max"] == 0
+
+
+def test_b5_and_the_runner_write_one_report(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--only", "B4", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"B4"} and report["quick"] and "B4 weights" in done.stdout
+    cmd = [sys.executable, str(REPO / "benchmarks" / "scale.py"), "--actors", "1", "2", "--seconds", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cases = json.loads(done.stdout.strip().splitlines()[-1])["cases"]
+    assert [c["actors"] for c in cases] == [1, 2] and cases[0]["ratio"] == 1.0 and cases[1]["groups_per_s"] > 0

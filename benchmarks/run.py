@@ -1,0 +1,93 @@
+"""All benchmarks in one command: each measures the project against its baseline in the same run and prints
+ratios, never absolute-time claims. Results go to ``benchmarks/results/<date>.json``.
+
+    .venv/bin/python benchmarks/run.py --quick      # about 6 minutes on 2 cores
+    .venv/bin/python benchmarks/run.py              # longer runs, steadier figures
+    .venv/bin/python benchmarks/run.py --only B3 B4
+
+- B1 overlap (benchmarks/overlap.py): asynchronous vs synchronous pipeline, as a fraction of the ideal speedup.
+- B3 transport (benchmarks/transport.py): the project's group path vs raw Redis stream commands.
+- B4 weights (benchmarks/weights.py): publish + load vs raw safetensors save + load.
+- B5 scale (benchmarks/scale.py): groups/s at the learner with K actors vs K x one actor's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import overlap  # noqa: E402
+import scale  # noqa: E402
+import transport  # noqa: E402
+import weights  # noqa: E402
+
+BENCHMARKS = {"B1": overlap.run, "B3": transport.run, "B4": weights.run, "B5": scale.run}
+
+
+def lines(name: str, result: dict) -> list[str]:
+    """One line per figure, with its goal."""
+    out = []
+    if name == "B1":
+        for c in result["cases"]:
+            out.append(f"B1 overlap g/t={c['g_over_t']:<5} speedup {c['speedup']:.2f} of ideal "
+                       f"{c['ideal_speedup']:.2f} = {c['fraction_of_ideal']:.2f}  (goal >= {c['goal']})")  # fmt: skip
+    elif name == "B3":
+        for c in result["cases"]:
+            out.append(f"B3 transport 16 x {c['completion_tokens']} tokens: {c['ratio']:.2f} x raw  (goal >= "
+                       f"{c['goal']})")  # fmt: skip
+    elif name == "B4":
+        out.append(f"B4 weights {result['parameters'] / 1e6:.0f}M params: {result['ratio']:.2f} x raw  "
+                   f"(goal >= {result['goal']})")  # fmt: skip
+    elif name == "B5":
+        for c in result["cases"]:
+            out.append(f"B5 scale K={c['actors']:<3} {c['groups_per_s']:.1f} groups/s = {c['ratio']:.2f} x K x one "
+                       f"actor's  (goal >= {c['goal']}; learner waiting {c['learner_wait_fraction']:.0%})")  # fmt: skip
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="shorter runs (about 6 minutes on 2 cores)")
+    p.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), default=sorted(BENCHMARKS))
+    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<date>.json")
+    args = p.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    report: dict = {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit.stdout.strip() or None,
+        "quick": args.quick,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "results": {},
+    }
+    t0 = time.perf_counter()
+    for name in args.only:
+        t = time.perf_counter()
+        result = BENCHMARKS[name](args.quick)
+        result["seconds"] = round(time.perf_counter() - t, 1)
+        report["results"][name] = result
+        for line in lines(name, result):
+            print(line, flush=True)
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    out = args.out or REPO / "benchmarks" / "results" / f"{report['date']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out} ({report['seconds']:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
