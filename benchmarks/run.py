@@ -84,6 +84,11 @@ def main() -> int:
     report["seconds"] = round(time.perf_counter() - t0, 1)
     out = args.out or REPO / "benchmarks" / "results" / f"{report['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists() and set(args.only) != set(BENCHMARKS):
+        # A partial rerun (--only) updates its benchmarks in the day's report and keeps the others' figures.
+        earlier = json.loads(out.read_text())
+        report["results"] = {**earlier.get("results", {}), **report["results"]}
+        report["partial_reruns"] = [*earlier.get("partial_reruns", []), {"only": args.only, "commit": report["commit"]}]
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out} ({report['seconds']:.0f}s)")
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -44,6 +45,7 @@ def build(size: str) -> tuple[torch.nn.Module, int]:
 
 
 def project(model: torch.nn.Module, engine: torch.nn.Module, root: Path, version: int) -> float:
+    os.sync()  # each path starts with no write-back pending from the other (a flush would otherwise land on it)
     t0 = time.perf_counter()
     pub = publish(model, None, root, version, keep=2)
     state, _ = load_state_dict(pub.announcement)
@@ -51,13 +53,17 @@ def project(model: torch.nn.Module, engine: torch.nn.Module, root: Path, version
     return time.perf_counter() - t0
 
 
-def raw(model: torch.nn.Module, path: Path) -> float:
+def raw(model: torch.nn.Module, root: Path, version: int) -> float:
+    """The same state dict through plain safetensors, kept on disk as publish keeps versions (the newest two): a
+    file deleted right after writing would never reach the disk, which is no baseline."""
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    root.mkdir(parents=True, exist_ok=True)
+    os.sync()
     t0 = time.perf_counter()
-    save_file(state, str(path))
-    load_file(str(path))
+    save_file(state, str(root / f"v{version}.safetensors"))
+    load_file(str(root / f"v{version}.safetensors"))
     elapsed = time.perf_counter() - t0
-    path.unlink()
+    (root / f"v{version - 2}.safetensors").unlink(missing_ok=True)
     return elapsed
 
 
@@ -70,11 +76,11 @@ def run(quick: bool) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="grpo-bench-weights-") as tmp:
         root = Path(tmp)
         project(model, engine, root / "weights", 0)  # warm-up: imports, page cache
-        raw(model, root / "raw.safetensors")
+        raw(model, root / "raw", 0)
         p_s, r_s, ratios = [], [], []
         for v in range(1, trials + 1):
             p = project(model, engine, root / "weights", v)
-            r = raw(model, root / "raw.safetensors")
+            r = raw(model, root / "raw", v)
             p_s.append(p)
             r_s.append(r)
             ratios.append(r / p)
