@@ -9,6 +9,10 @@ ratios, never absolute-time claims. Results go to ``benchmarks/results/<date>.js
 - B3 transport (benchmarks/transport.py): the project's group path vs raw Redis stream commands.
 - B4 weights (benchmarks/weights.py): publish + load vs raw safetensors save + load.
 - B5 scale (benchmarks/scale.py): groups/s at the learner with K actors vs K x one actor's.
+- curves (benchmarks/curves.py): the demo's reward and accuracy against wall-clock, three seeds, and synchronous.
+
+PNG plots of B1, B5 and the curves go beside the report (``<date>-b1.png`` ...) when matplotlib is installed
+(the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import curves  # noqa: E402
 import overlap  # noqa: E402
+import plots  # noqa: E402
 import scale  # noqa: E402
 import transport  # noqa: E402
 import weights  # noqa: E402
 
-BENCHMARKS = {"B1": overlap.run, "B3": transport.run, "B4": weights.run, "B5": scale.run}
+BENCHMARKS = {"B1": overlap.run, "B3": transport.run, "B4": weights.run, "B5": scale.run, "curves": curves.run}
+PLOTS = {"B1": plots.overlap, "B5": plots.scale, "curves": plots.curves}
 
 
 def lines(name: str, result: dict) -> list[str]:
@@ -48,6 +55,14 @@ def lines(name: str, result: dict) -> list[str]:
     elif name == "B4":
         out.append(f"B4 weights {result['parameters'] / 1e6:.0f}M params: {result['ratio']:.2f} x raw  "
                    f"(goal >= {result['goal']})")  # fmt: skip
+    elif name == "curves":
+        for r in result["runs"]:
+            out.append(f"curves seed {r['seed']} {r['kind']}: reward {result['target_reward']} after "
+                       f"{r['time_to_target_s']} s")  # fmt: skip
+        if "sync_over_async_time_to_target" in result:
+            out.append(
+                f"curves time to target, synchronous / asynchronous: {result['sync_over_async_time_to_target']:.2f}"
+            )
     elif name == "B5":
         for c in result["cases"]:
             out.append(f"B5 scale K={c['actors']:<3} {c['groups_per_s']:.1f} groups/s = {c['ratio']:.2f} x K x one "
@@ -55,12 +70,26 @@ def lines(name: str, result: dict) -> list[str]:
     return out
 
 
+def draw(report: dict, out: Path) -> None:
+    """PNGs beside the report (<date>-b1.png, ...) for the results that have a plot."""
+    for name, result in report["results"].items():
+        if name in PLOTS:
+            png = out.with_name(f"{out.stem}-{name.lower()}.png")
+            result["png"] = png.name if PLOTS[name](result, png) else None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="shorter runs (about 6 minutes on 2 cores)")
     p.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), default=sorted(BENCHMARKS))
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<date>.json")
+    p.add_argument("--replot", type=Path, metavar="REPORT", help="only redraw the PNGs of an existing report")
     args = p.parse_args()
+    if args.replot:
+        report = json.loads(args.replot.read_text())
+        draw(report, args.replot)
+        args.replot.write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     report: dict = {
         "date": datetime.date.today().isoformat(),
@@ -89,6 +118,7 @@ def main() -> int:
         earlier = json.loads(out.read_text())
         report["results"] = {**earlier.get("results", {}), **report["results"]}
         report["partial_reruns"] = [*earlier.get("partial_reruns", []), {"only": args.only, "commit": report["commit"]}]
+    draw(report, out)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out} ({report['seconds']:.0f}s)")
     return 0

@@ -243,7 +243,9 @@ class ActorConfig(_Section):
     synchronous: bool = Field(
         False,
         description="after each round, wait for a newer weights version before sampling again: a synchronous RL "
-        "loop, the baseline of benchmarks/overlap.py (B1); off = the asynchronous pipeline",
+        "loop, the baseline of benchmarks/overlap.py (B1); off = the asynchronous pipeline. Needs rounds that fill "
+        "a batch (actor.prompts_per_round >= learner.batch_groups, actor.filter_zero_std off) and one actor, or the "
+        "learner would wait for groups that actors waiting for its weights never send",
     )
     group_size: int = Field(8, ge=2, description="completions per prompt (G); below 2 there is no baseline")
     prompts_per_round: int = Field(16, ge=1, description="prompts generated together in one engine call")
@@ -440,6 +442,13 @@ class Config(_Section):
         if not self.actor.max_stream_groups:
             # Two batches waiting to be read: the learner never starves, and staleness stays near 1 version.
             self.actor.max_stream_groups = 2 * self.learner.batch_groups
+        if self.actor.synchronous and (
+            self.actor.prompts_per_round < self.learner.batch_groups or self.actor.filter_zero_std
+        ):
+            raise ValueError(
+                "actor.synchronous: each round must fill a batch (actor.prompts_per_round >= learner.batch_groups) "
+                "and none of it may be filtered (actor.filter_zero_std=false), or the learner waits forever"
+            )
         rows = self.learner.batch_groups * self.actor.group_size
         if rows < self.learner.updates_per_batch * self.learner.grad_accum:
             raise ValueError(

@@ -142,3 +142,10 @@ def test_text_overrides_are_taken_as_written() -> None:
     assert cfg.task.prompt_template == "{question:.40} #### {answer}"
     assert (cfg.task.subset, cfg.run.name) == ("main", "2024")
     assert load_config(overrides=["learner.betas=[0.9, 0.95]"], env={}).learner.betas == (0.9, 0.95)
+
+
+def test_a_synchronous_actor_needs_rounds_that_fill_a_batch() -> None:
+    with pytest.raises(ConfigError, match=r"actor\.synchronous: each round must fill a batch"):
+        load_config(overrides=["actor.synchronous=true"], env={})  # 16 prompts a round, batches of 32, filtering
+    ok = ["actor.synchronous=true", "actor.prompts_per_round=32", "actor.filter_zero_std=false"]
+    assert load_config(overrides=ok, env={}).actor.synchronous
