@@ -47,7 +47,8 @@ def lines(name: str, result: dict) -> list[str]:
     if name == "B1":
         for c in result["cases"]:
             out.append(f"B1 overlap g/t={c['g_over_t']:<5} speedup {c['speedup']:.2f} of ideal "
-                       f"{c['ideal_speedup']:.2f} = {c['fraction_of_ideal']:.2f}  (goal >= {c['goal']})")  # fmt: skip
+                       f"{c['ideal_speedup']:.2f} = {c['fraction_of_ideal']:.2f}  (goal >= {c['goal']}); learner "
+                       f"idle {c['async_learner_idle_fraction']:.1%}")  # fmt: skip
     elif name == "B3":
         for c in result["cases"]:
             out.append(f"B3 transport 16 x {c['completion_tokens']} tokens: {c['ratio']:.2f} x raw  (goal >= "
