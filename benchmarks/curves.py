@@ -12,23 +12,22 @@ and, for the pair, synchronous time to target over asynchronous. Prints one JSON
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+import harness  # noqa: E402
 
 TARGET = 0.9
 
 
-def curve(run_dir: Path) -> dict[str, list[float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def curve(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Reward and accuracy against seconds of training, from a run's metrics.jsonl rows."""
     t, out = 0.0, {"seconds": [], "reward": [], "eval_seconds": [], "accuracy": []}
     for r in rows:
         t += r.get("time/step_s", 0.0)
@@ -56,18 +55,10 @@ PAIR = ["run.actors=1", "actor.prompts_per_round=32", "learner.batch_groups=32",
 def demo(seed: int, steps: int, model: Path, root: Path, synchronous: bool | None = None) -> dict[str, object]:
     """The demo with ``seed``; with ``synchronous`` set, the one-actor pair's setting, run that way."""
     kind = "demo" if synchronous is None else ("sync" if synchronous else "async")
-    run_dir = root / f"seed{seed}-{kind}"
-    overrides = [f"run.seed={seed}", f"run.steps={steps}", f"run.dir={run_dir}", f"model.path={model}",
-                 "learner.eval_every=10"]  # fmt: skip
+    overrides = [f"run.seed={seed}", f"run.steps={steps}", f"model.path={model}", "learner.eval_every=10"]
     if synchronous is not None:
         overrides += [*PAIR, f"actor.synchronous={str(synchronous).lower()}"]
-    cmd = [sys.executable, "-m", "common.cli", "run", "--plain"]
-    for o in overrides:
-        cmd += ["-o", o]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
-    if done.returncode != 0:
-        raise SystemExit(f"grpo run failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    c = curve(run_dir)
+    c = curve(harness.grpo_run(overrides, root / f"seed{seed}-{kind}"))
     return {"seed": seed, "kind": kind, "synchronous": bool(synchronous), "time_to_target_s": time_to_target(c), **c}
 
 
@@ -91,17 +82,10 @@ def run(quick: bool, png: Path | None = None) -> dict[str, object]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="60 steps per run instead of 200")
-    p.add_argument("--out", type=Path, default=None)
+    p = harness.parser(__doc__, "60 steps per run instead of 200")
     p.add_argument("--png", type=Path, default=None)
     args = p.parse_args()
-    result = run(args.quick, args.png)
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    return harness.emit(run(args.quick, args.png), args.out)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,12 @@ under 5 %. Prints one JSON object.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import harness
 
 STEP_S = 0.4  # t
 GROUP, PROMPTS, MAX_TOKENS = 4, 4, 8
@@ -51,15 +48,9 @@ def seconds_per_step(g: float, synchronous: bool, steps: int, root: Path) -> tup
     learner's time spent waiting for groups."""
     # The sim engine's round has PROMPTS x GROUP completions of 1..MAX_TOKENS tokens, (MAX_TOKENS + 1) / 2 on average.
     rate = PROMPTS * GROUP * (MAX_TOKENS + 1) / 2 / g
-    run_dir = root / f"g{g}-{'sync' if synchronous else 'async'}"
-    cmd = [sys.executable, "-m", "common.cli", "run", "--plain"]
-    for o in [*COMMON, f"run.steps={steps}", f"run.dir={run_dir}", f"actor.sim_tokens_per_s={rate}",
-              f"actor.synchronous={str(synchronous).lower()}"]:  # fmt: skip
-        cmd += ["-o", o]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise SystemExit(f"grpo run failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    overrides = [*COMMON, f"run.steps={steps}", f"actor.sim_tokens_per_s={rate}",
+                 f"actor.synchronous={str(synchronous).lower()}"]  # fmt: skip
+    rows = harness.grpo_run(overrides, root / f"g{g}-{'sync' if synchronous else 'async'}", timeout_s=900)
     warm = [r for r in rows if r["step"] > 2]  # after the first steps (loading, first rounds)
     idle = sum(r["time/wait_s"] for r in warm) / sum(r["time/step_s"] for r in warm)
     return (
@@ -99,18 +90,11 @@ def run(quick: bool, ratios: tuple[float, ...] = (0.25, 1.0, 4.0), steps: int | 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps per run")
+    p = harness.parser(__doc__, "fewer steps per run")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.25, 1.0, 4.0], help="values of g / t")
     p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 12 quick, 30 full)")
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    result = run(args.quick, tuple(args.ratios), args.steps)
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    return harness.emit(run(args.quick, tuple(args.ratios), args.steps), args.out)
 
 
 if __name__ == "__main__":

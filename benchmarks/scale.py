@@ -13,15 +13,13 @@ and groups dropped as stale. Prints one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import harness
 
 GROUP, PROMPTS, MAX_TOKENS, BATCH = 4, 2, 8, 8
 ROUND_S = 0.5  # one actor's round: PROMPTS groups every ROUND_S seconds, 4 groups/s
@@ -48,13 +46,7 @@ def measure(k: int, seconds: float, root: Path) -> dict[str, float]:
     per_s = k * PROMPTS / ROUND_S
     steps = max(8, int(per_s * seconds / BATCH))
     run_dir = root / f"k{k}"
-    cmd = [sys.executable, "-m", "common.cli", "run", "--plain"]
-    for o in [*COMMON, f"run.actors={k}", f"run.steps={steps}", f"run.dir={run_dir}"]:
-        cmd += ["-o", o]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
-    if done.returncode != 0:
-        raise SystemExit(f"grpo run failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = harness.grpo_run([*COMMON, f"run.actors={k}", f"run.steps={steps}"], run_dir)
     warm = [r for r in rows if r["step"] > max(2, len(rows) // 4)]  # after start-up: every actor is producing
     seconds_total = sum(r["time/step_s"] for r in warm)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -82,18 +74,11 @@ def run(quick: bool, actors: tuple[int, ...] = (1, 2, 4, 8, 16), seconds: float 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="shorter runs")
+    p = harness.parser(__doc__, "shorter runs")
     p.add_argument("--actors", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--seconds", type=float, default=None, help="measured seconds per K (default 12 quick, 40 full)")
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    result = run(args.quick, tuple(args.actors), args.seconds)
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    return harness.emit(run(args.quick, tuple(args.actors), args.seconds), args.out)
 
 
 if __name__ == "__main__":

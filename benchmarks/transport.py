@@ -12,8 +12,6 @@ figure is the median over trials of project groups/s ÷ raw groups/s (goal ≥ 0
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -23,6 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import harness  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common.config import RedisConfig  # noqa: E402
@@ -131,16 +130,8 @@ def run(quick: bool) -> dict[str, object]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer groups and trials")
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
-    result = run(args.quick)
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    args = harness.parser(__doc__, "fewer groups and trials").parse_args()
+    return harness.emit(run(args.quick), args.out)
 
 
 if __name__ == "__main__":

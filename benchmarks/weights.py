@@ -11,8 +11,6 @@ Prints one JSON object.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
@@ -100,16 +99,8 @@ def run(quick: bool) -> dict[str, object]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a smaller model and fewer trials")
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
-    result = run(args.quick)
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    args = harness.parser(__doc__, "a smaller model and fewer trials").parse_args()
+    return harness.emit(run(args.quick), args.out)
 
 
 if __name__ == "__main__":

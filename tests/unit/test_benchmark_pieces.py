@@ -1,8 +1,7 @@
-"""The pure pieces of benchmarks/: learning curves read from metrics.jsonl, time to target, and the PNG plots."""
+"""The pure pieces of benchmarks/: learning curves from metrics.jsonl rows, time to target, and the PNG plots."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,13 +15,12 @@ import curves
 import plots
 
 
-def test_curve_and_time_to_target(tmp_path: Path) -> None:
+def test_curve_and_time_to_target() -> None:
     rows = [{"step": 0, "eval/accuracy": 0.0}] + [
         {"step": s, "time/step_s": 0.5, "reward": min(1.0, 0.2 * s), **({"eval/accuracy": 1.0} if s == 8 else {})}
         for s in range(1, 9)
     ]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    c = curves.curve(tmp_path)
+    c = curves.curve(rows)
     assert c["seconds"] == [0.5 * s for s in range(1, 9)] and c["reward"][0] == pytest.approx(0.2)
     assert c["eval_seconds"] == [0.0, 4.0] and c["accuracy"] == [0.0, 1.0]
     # rewards 0.2, 0.4, 0.6, 0.8, 1, 1, 1, 1: the mean of the last 5 is 0.88 at step 7, 0.96 at step 8 (4.0 s)
