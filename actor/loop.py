@@ -123,13 +123,8 @@ class Actor:
             ann = self.transport.latest_weights()
             return ann is None or ann.version <= self.version_sampled
 
-        # Not _wait: an announcement that arrived while this round was sampled (the previous version's) must not end
-        # the wait, so every wake-up re-checks the announced version.
-        t0 = time.perf_counter()
-        while not self.stop.is_set() and not self.transport.is_done() and behind():
-            self.heartbeat()
-            self._pubsub.get_message(timeout=0.2)
-        self.metrics.backpressure_seconds.inc(time.perf_counter() - t0)
+        # An announcement that arrived while this round was sampled (the previous version's) must not end the wait.
+        self._wait(behind, until_clear=True)
 
     def wait_for_room(self) -> bool:
         """Backpressure: while a whole round would not fit under the bound on unread groups, wait (a weights
@@ -143,11 +138,14 @@ class Actor:
         self._wait(lambda: self.transport.unread() + need > bound)
         return False
 
-    def _wait(self, blocked: Callable[[], bool]) -> None:
+    def _wait(self, blocked: Callable[[], bool], *, until_clear: bool = False) -> None:
+        """Wait while ``blocked()``, counted as backpressure; a weights announcement ends the wait early so that the
+        caller re-checks its conditions, unless ``until_clear``. The run ending or a stop request always ends it."""
         t0 = time.perf_counter()
         while not self.stop.is_set() and blocked():
             self.heartbeat()  # waiting is working: the key must not expire
-            if self._pubsub.get_message(timeout=0.2) is not None or self.transport.is_done():
+            woken = self._pubsub.get_message(timeout=0.2) is not None
+            if (woken and not until_clear) or self.transport.is_done():
                 break
         self.metrics.backpressure_seconds.inc(time.perf_counter() - t0)
 
