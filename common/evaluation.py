@@ -29,8 +29,8 @@ class Grades(Protocol):
 
 
 class SampleGrader(Protocol):
-    def grade_samples(self, tokenizer: Any, samples: list[Any], references: list[str], *, require_stop: bool) -> Any:
-        """A :class:`Grades`: one score per sample, and the grader errors counted by kind."""
+    def grade_samples(self, tokenizer: Any, samples: list[Any], references: list[str], *, require_stop: bool) -> Grades:
+        """One score per sample, and the grader errors counted by kind."""
         ...
 
 

@@ -184,12 +184,26 @@ def _limit(problems: list[Problem], size: int) -> list[Problem]:
 
 
 def eval_problems(cfg: TaskConfig, seed: int) -> list[Problem]:
-    """The held-out problems alone: what ``grpo eval`` and the learner's evaluation grade. Only ``task.eval_path``
-    is read when it is set (the training rows are not needed)."""
-    if cfg.name == "dataset" and cfg.eval_path:
-        rows = load_rows(cfg.eval_path, cfg.subset, cfg.eval_split)
-        return _limit(make_problems(rows, cfg, f"{cfg.eval_path} ({cfg.eval_split})", "eval"), cfg.eval_size)
-    return make_task(cfg, seed).eval
+    """The held-out problems alone: what ``grpo eval`` and the learner's evaluation grade. When they are a split of
+    their own, only that split is read (the training rows are not needed)."""
+    source = _eval_source(cfg) if cfg.name == "dataset" else None
+    return _eval_split(cfg, source) if source else make_task(cfg, seed).eval
+
+
+def _eval_source(cfg: TaskConfig) -> str | None:
+    """Where held-out problems come from when they are a split of their own (``task.eval_path``, or
+    ``task.eval_split`` of a directory or hub dataset); None when they are held out of the training rows."""
+    if cfg.eval_path:
+        return cfg.eval_path
+    if cfg.path and cfg.eval_split and not is_file_source(cfg.path):
+        return cfg.path
+    return None
+
+
+def _eval_split(cfg: TaskConfig, source: str) -> list[Problem]:
+    """The first ``task.eval_size`` problems (0: all) of ``source``'s ``task.eval_split``."""
+    rows = load_rows(source, cfg.subset, cfg.eval_split)
+    return _limit(make_problems(rows, cfg, f"{source} ({cfg.eval_split})", "eval"), cfg.eval_size)
 
 
 def make_task(cfg: TaskConfig, seed: int) -> Task:
@@ -199,10 +213,9 @@ def make_task(cfg: TaskConfig, seed: int) -> Task:
         raise ConfigError("config error: task.path: empty; task.name=dataset needs a file, a directory or a hub name")
     rows = load_rows(cfg.path, cfg.subset, cfg.train_split)
     train = make_problems(rows, cfg, f"{cfg.path} ({cfg.train_split})", "train")
-    if cfg.eval_path or (cfg.eval_split and not is_file_source(cfg.path)):
-        source = cfg.eval_path or cfg.path
-        eval_rows = load_rows(source, cfg.subset, cfg.eval_split)
-        held_out = _limit(make_problems(eval_rows, cfg, f"{source} ({cfg.eval_split})", "eval"), cfg.eval_size)
+    source = _eval_source(cfg)
+    if source:
+        held_out = _eval_split(cfg, source)
     else:
         train, held_out = _hold_out(train, cfg.eval_size, seed, cfg.path)
     train = _limit(train, cfg.train_size)

@@ -23,7 +23,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from common.config import Config, check_model_path, write_resolved
-from common.evaluation import score_problems
+from common.evaluation import score_problems, summarise
 from common.generation import generate, pad_token_id, stop_token_ids
 from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
 from common.models import load_pretrained
@@ -318,7 +318,7 @@ class Learner:
                 batch=self.cfg.task.eval_batch,
                 require_stop=self.cfg.task.require_stop,
             )
-        accuracy = sum(1.0 for s in scores.greedy if s >= 1.0) / len(scores.greedy)
+        accuracy = summarise(scores.greedy, scores.sampled)["pass_at_1"]
         self.metrics.eval_accuracy.set(accuracy)
         return {"eval/accuracy": accuracy, "time/eval_s": time.perf_counter() - t0}
 
