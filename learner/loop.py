@@ -121,8 +121,6 @@ class Learner:
             self.step += 1
             self.version += 1  # equal to the step, unless a resume skipped versions (see continue_versions)
             stats["time/train_s"] = time.perf_counter() - t_train
-            if self.step % self.cfg.checkpoint.every == 0 or self.step == steps:
-                stats |= self.checkpoint()
             if self.step % self.cfg.learner.publish_every == 0 or self.step == steps:
                 stats |= self.publish()
             if self.step % self.cfg.learner.eval_every == 0 or self.step == steps:
@@ -133,6 +131,10 @@ class Learner:
             last = now
             row = self.describe(stats)
             self.record(row)
+            # After the row: a checkpoint must never cover a step whose row was not written (a learner killed in
+            # between would resume past it and the row would be lost; killed before, it retrains the step).
+            if self.step % self.cfg.checkpoint.every == 0 or self.step == steps:
+                self.checkpoint()
             self.raise_alarms(row)
         self.transport.mark_done()
         log.info(
