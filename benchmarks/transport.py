@@ -120,8 +120,8 @@ def run(quick: bool) -> dict[str, object]:
             t = Transport(RedisConfig(url=server.url), "bench-transport")
             t.ensure_consumer_group()
             cases = [
-                measure(t, 512, 64 if quick else 256, 5 if quick else 9),
-                measure(t, 32, 256 if quick else 1024, 5 if quick else 9),
+                measure(t, 512, 128 if quick else 256, 7 if quick else 9),
+                measure(t, 32, 1024, 7 if quick else 9),
             ]
             t.close()
         finally:

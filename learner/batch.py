@@ -8,6 +8,7 @@ given tokens ≤ t, and ``loss_mask`` marks the completion tokens (the prompt is
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -47,30 +48,39 @@ def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> B
     group_size = len(groups[0].completions)
     if any(len(g.completions) != group_size for g in groups):
         raise ValueError("every group of a batch must have the same size")
-    rows = [(g.prompt_ids, c) for g in groups for c in g.completions]
-    width = max(len(p) + len(c.token_ids) for p, c in rows)
-    b = len(rows)
+    # Each group's completions arrive as columns (all token ids end to end, all log-probs end to end): a row is a
+    # slice of them, copied once into the padded tensors.
+    cols = [g.columns for g in groups]
+    width = max(len(g.prompt_ids) + int(c.lengths.max()) for g, c in zip(groups, cols, strict=True))
+    b = len(groups) * group_size
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)
     attention = torch.zeros((b, width), dtype=torch.long)
     mask = torch.zeros((b, width - 1), dtype=torch.float32)
     behaviour = torch.zeros((b, width - 1), dtype=torch.float32)
-    for i, (prompt, c) in enumerate(rows):
-        p, n = len(prompt), len(c.token_ids)
-        input_ids[i, :p] = torch.from_numpy(prompt.astype(np.int64))
-        input_ids[i, p : p + n] = torch.from_numpy(c.token_ids.astype(np.int64))
-        attention[i, : p + n] = 1
-        # Token p+j is predicted at shifted position p+j−1.
-        mask[i, p - 1 : p - 1 + n] = 1.0
-        behaviour[i, p - 1 : p - 1 + n] = torch.from_numpy(c.logprobs.astype(np.float32))
+    row = 0
+    for g, c in zip(groups, cols, strict=True):
+        prompt = torch.from_numpy(g.prompt_ids.astype(np.int64))
+        tokens = torch.from_numpy(c.token_ids.astype(np.int64))
+        logprobs = torch.from_numpy(c.logprobs.astype(np.float32))  # a writable copy of the message's bytes
+        p, offsets = len(prompt), c.offsets.tolist()
+        for a, e in pairwise(offsets):
+            n = e - a
+            input_ids[row, :p] = prompt
+            input_ids[row, p : p + n] = tokens[a:e]
+            attention[row, : p + n] = 1
+            # Token p+j is predicted at shifted position p+j−1.
+            mask[row, p - 1 : p - 1 + n] = 1.0
+            behaviour[row, p - 1 : p - 1 + n] = logprobs[a:e]
+            row += 1
     return Batch(
         input_ids=input_ids,
         attention_mask=attention,
         loss_mask=mask,
         behaviour_logprobs=behaviour,
-        rewards=torch.tensor([c.reward for _, c in rows], dtype=torch.float32),
+        rewards=torch.from_numpy(np.concatenate([c.rewards for c in cols]).astype(np.float32)),
         group_size=group_size,
         staleness=torch.tensor([learner_version - g.policy_version for g in groups], dtype=torch.long),
-        truncated=torch.tensor([c.finish_reason == "length" for _, c in rows], dtype=torch.bool),
+        truncated=torch.tensor([r == "length" for c in cols for r in c.finish_reasons], dtype=torch.bool),
     )
 
 

@@ -271,12 +271,12 @@ class Learner:
         forward pass: such a message is as malformed as bad msgpack."""
         vocab = self.model.get_input_embeddings().num_embeddings
         longest = getattr(self.model.config, "max_position_embeddings", None)
-        for c in msg.completions:
-            top = max(int(msg.prompt_ids.max()), int(c.token_ids.max()))
-            if top >= vocab:
-                raise SchemaError(f"token id {top} outside the model's vocabulary of {vocab}")
-            if longest is not None and len(msg.prompt_ids) + len(c.token_ids) > longest:
-                raise SchemaError(f"{len(msg.prompt_ids) + len(c.token_ids)} tokens exceed the model's {longest}")
+        c = msg.columns
+        top = max(int(msg.prompt_ids.max()), int(c.token_ids.max()))
+        if top >= vocab:
+            raise SchemaError(f"token id {top} outside the model's vocabulary of {vocab}")
+        if longest is not None and len(msg.prompt_ids) + int(c.lengths.max()) > longest:
+            raise SchemaError(f"{len(msg.prompt_ids) + int(c.lengths.max())} tokens exceed the model's {longest}")
 
     def refusal(self, msg: GroupMessage) -> str | None:
         """Why a valid group cannot be trained on now, or None."""

@@ -101,7 +101,7 @@ def test_learner_trains_drops_and_dead_letters(tiny_model_dir: Path, redis_url: 
     dead = t.client.xrange(t.keys.dead)
     assert len(dead) == b.dead
     reasons = {f[b"reason"].decode().split(":")[0] for _, f in dead}
-    assert {"not msgpack", "unsupported schema version 99 (this build reads 1)", "group"} <= reasons
+    assert {"not msgpack", "unsupported schema version 99 (this build reads 1, 2)", "group"} <= reasons
     assert any("outside the model's vocabulary" in f[b"reason"].decode() for _, f in dead)
     assert all(b"payload" in f for _, f in dead)
     assert t.is_done()

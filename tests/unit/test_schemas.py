@@ -62,20 +62,75 @@ def test_round_trip_preserves_everything() -> None:
     assert back.filtered == msg.filtered and back.zero_std is False
 
 
-def test_arrays_travel_as_little_endian_bytes_with_a_dtype() -> None:
-    d = body(make_group())
-    arr = d["completions"][0]["logprobs"]
-    assert arr["dtype"] == "float32" and isinstance(arr["data"], bytes)
-    assert np.frombuffer(arr["data"], "<f4").tolist() == pytest.approx([-0.1, -0.2, -0.3])
-    assert d["v"] == SCHEMA_VERSION and d["type"] == "group"
+def test_arrays_travel_as_little_endian_bytes_with_a_dtype_and_completions_as_columns() -> None:
+    msg = make_group()
+    d = body(msg)
+    assert d["v"] == SCHEMA_VERSION == 2 and d["type"] == "group"
+    c = d["completions"]
+    assert set(c) == {"lengths", "token_ids", "logprobs", "rewards", "finish_reasons"}
+    assert all(
+        c[k]["dtype"] in {"int32", "float32", "float64"} and isinstance(c[k]["data"], bytes)
+        for k in c
+        if k != "finish_reasons"
+    )
+    assert np.frombuffer(c["lengths"]["data"], "<i4").tolist() == [3, 3, 3, 3]
+    assert np.frombuffer(c["token_ids"]["data"], "<i4").tolist() == [5, 6, 2, 6, 6, 2, 7, 6, 2, 8, 6, 2]
+    assert np.frombuffer(c["logprobs"]["data"], "<f4")[:3].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert np.frombuffer(c["rewards"]["data"], "<f8").tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert c["finish_reasons"] == ["length", "stop", "stop", "stop"]
 
 
-def test_int64_and_float64_arrays_are_accepted_and_converted() -> None:
+def test_a_groups_completions_are_views_of_its_columns() -> None:
+    back = decode_group(encode_group(make_group()))
+    cols = back.columns
+    assert len(back.completions) == 4 and cols.offsets.tolist() == [0, 3, 6, 9, 12]
+    third = back.completions[2]
+    assert np.shares_memory(third.token_ids, cols.token_ids) and third.token_ids.tolist() == [7, 6, 2]
+    assert back.completions[-1].reward == 1.0 and [c.finish_reason for c in back.completions[1:3]] == ["stop", "stop"]
+    assert back.rewards == [0.0, 1.0, 0.0, 1.0]
+    with pytest.raises(IndexError):
+        back.completions[4]
+
+
+def v1_body(msg: GroupMessage) -> dict:
+    """What a build before schema version 2 wrote: one map per completion."""
+    d = body(msg)
+    d["v"] = 1
+    d["completions"] = [
+        {
+            "token_ids": {"dtype": "int32", "data": c.token_ids.astype("<i4").tobytes()},
+            "logprobs": {"dtype": "float32", "data": c.logprobs.astype("<f4").tobytes()},
+            "reward": c.reward,
+            "finish_reason": c.finish_reason,
+        }
+        for c in msg.completions
+    ]
+    return d
+
+
+def test_version_1_groups_left_in_a_stream_are_still_read() -> None:
+    msg = make_group()
+    back = decode_group(msgpack.packb(v1_body(msg), use_bin_type=True))
+    for a, b in zip(back.completions, msg.completions, strict=True):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        assert (a.reward, a.finish_reason) == (b.reward, b.finish_reason)
+    bad = v1_body(msg)
+    bad["completions"][1]["logprobs"] = {"dtype": "float32", "data": np.zeros(2, "<f4").tobytes()}
+    with pytest.raises(SchemaError, match=r"completions\[1\]: 3 tokens but 2"):
+        decode_group(msgpack.packb(bad, use_bin_type=True))
+
+
+def test_int64_and_float32_arrays_are_accepted_and_converted() -> None:
     d = body(make_group())
     d["prompt_ids"] = {"dtype": "int64", "data": np.array([1, 2], "<i8").tobytes()}
-    d["completions"][0]["logprobs"] = {"dtype": "float64", "data": np.array([-1.0, -2, -3], "<f8").tobytes()}
+    c = d["completions"]
+    c["logprobs"] = {"dtype": "float64", "data": np.full(12, -1.0, "<f8").tobytes()}
+    c["lengths"] = {"dtype": "int64", "data": np.full(4, 3, "<i8").tobytes()}
+    c["rewards"] = {"dtype": "float32", "data": np.array([0, 1, 0, 0.5], "<f4").tobytes()}
     msg = decode_group(msgpack.packb(d, use_bin_type=True))
     assert msg.prompt_ids.dtype == np.int32 and msg.completions[0].logprobs.dtype == np.float32
+    assert msg.rewards == [0.0, 1.0, 0.0, 0.5]
 
 
 def mutated(path: str, value: object) -> bytes:
@@ -95,9 +150,24 @@ def mutated(path: str, value: object) -> bytes:
 _DELETE = object()
 
 
+def _i32(*v: int) -> dict:
+    return {"dtype": "int32", "data": np.array(v, "<i4").tobytes()}
+
+
+def _f32(*v: float) -> dict:
+    return {"dtype": "float32", "data": np.array(v, "<f4").tobytes()}
+
+
+def _f64(*v: float) -> dict:
+    return {"dtype": "float64", "data": np.array(v, "<f8").tobytes()}
+
+
+_LP = [-0.1] * 12
+
 # (field path, a value it must not have, what the error says): each one is a message that must be dead-lettered.
 REJECTIONS = [
-    ("v", 2, "unsupported schema version"),
+    ("v", 3, "unsupported schema version"),
+    ("v", "2", "unsupported schema version"),
     ("type", "weights", "expected 'group'"),
     ("extra", 1, "unknown keys"),
     ("policy_version", _DELETE, "missing"),
@@ -106,20 +176,39 @@ REJECTIONS = [
     ("policy_version", 1.5, "expected an integer"),
     ("group_id", "", "length 0"),
     ("created_at", math.nan, "not finite"),
-    ("completions", [], "1..4096"),
-    ("completions.0.reward", 1.5, "not finite in [0.0, 1.0]"),
-    ("completions.0.reward", math.inf, "not finite"),
-    ("completions.0.finish_reason", "eos", "not one of"),
-    ("completions.0.logprobs", {"dtype": "float32", "data": np.zeros(2, "<f4").tobytes()}, "3 tokens but 2"),
-    ("completions.0.logprobs", {"dtype": "float32", "data": np.full(3, 0.5, "<f4").tobytes()}, "<= 0"),
-    ("completions.0.logprobs", {"dtype": "float32", "data": np.full(3, np.nan, "<f4").tobytes()}, "finite"),
-    ("completions.0.token_ids", {"dtype": "int16", "data": b"\x00\x00"}, "dtype 'int16'"),
-    ("completions.0.token_ids", {"dtype": "int32", "data": b"\x00\x00\x00"}, "whole number"),
-    ("completions.0.token_ids", {"dtype": "int32", "data": np.array([-1, 2, 3], "<i4").tobytes()}, "[0, 2^31)"),
-    ("completions.0.token_ids", [1, 2, 3], "expected a map"),
+    ("completions", [], "expected a map"),
+    ("completions.finish_reasons", [], "1..4096"),
+    ("completions.finish_reasons", ["stop", "eos", "stop", "stop"], "completions[1].finish_reason: 'eos' not one of"),
+    ("completions.finish_reasons", ["stop", ["x"], "stop", "stop"], "completions[1].finish_reason"),
+    ("completions.rewards", _f64(0, 1, 1.5, 0), "completions[2].reward: 1.5 is not finite in [0.0, 1.0]"),
+    ("completions.rewards", _f64(0, 1, 0, math.inf), "completions[3].reward: inf is not finite"),
+    ("completions.rewards", _f64(0, math.nan, 0, 1), "completions[1].reward: nan is not finite"),
+    ("completions.rewards", _f64(0, 1, 0), "4 finish reasons but 4 lengths and 3 rewards"),
+    ("completions.lengths", _i32(3, 3, 3), "4 finish reasons but 3 lengths"),
+    ("completions.lengths", _i32(3, 3, 0, 6), "at least one token"),
+    ("completions.lengths", _i32(3, 3, 3, 4), "lengths add up to 13 tokens but token_ids has 12"),
+    ("completions.logprobs", _f32(*[-0.1] * 11), "12 tokens but 11 log-probs"),
+    ("completions.logprobs", _f32(*_LP[:4], 0.5, *_LP[5:]), "completions[1].logprobs: must be finite and <= 0"),
+    ("completions.logprobs", _f32(*_LP[:9], math.nan, *_LP[10:]), "completions[3].logprobs: must be finite"),
+    ("completions.logprobs", _f32(*_LP[:2], -math.inf, *_LP[3:]), "completions[0].logprobs: must be finite"),
+    ("completions.token_ids", {"dtype": "int16", "data": b"\x00\x00"}, "dtype 'int16'"),
+    ("completions.token_ids", {"dtype": "int32", "data": b"\x00\x00\x00"}, "whole number"),
+    (
+        "completions.token_ids",
+        _i32(1, 2, 3, 4, 5, 6, -1, 8, 9, 10, 11, 12),
+        "completions[2].token_ids: token ids must be in",
+    ),
+    (
+        "completions.token_ids",
+        {"dtype": "int64", "data": np.array([2**32] * 12, "<i8").tobytes()},
+        "values must be in [0, 2^31)",
+    ),
+    ("completions.token_ids", [1, 2, 3], "expected a map"),
+    ("completions.lengths", _DELETE, "missing ['lengths']"),
     ("prompt_ids", {"dtype": "int32", "data": b""}, "outside [1"),
     ("filtered.zero_std_groups", 9, "outside"),
     ("filtered.reward_sum", 1e9, "exceed"),
+    ("filtered.groups", 0.0, "expected an integer"),
     ("zero_std", 0, "expected a boolean"),
 ]
 
@@ -128,7 +217,7 @@ REJECTIONS = [
 def test_rejects_with_a_reason(path: str, value: object, reason: str) -> None:
     with pytest.raises(SchemaError, match=None) as e:
         decode_group(mutated(path, value))
-    assert reason in str(e.value)
+    assert reason in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("raw", [b"", b"\xc1", b"not msgpack at all", msgpack.packb([1, 2, 3]), msgpack.packb("x")])
@@ -172,15 +261,10 @@ def _fuzz(data: st.DataObject) -> None:
         raw = msgpack.packb(d, use_bin_type=True)
     else:  # ... or one field nested inside a completion, an array, or the filtered summary
         d = body(make_group(2))
+        c = d["completions"]
         node = data.draw(
             st.sampled_from(
-                [
-                    d["completions"][0],
-                    d["completions"][1]["token_ids"],
-                    d["filtered"],
-                    d["prompt_ids"],
-                    d["completions"][0]["logprobs"],
-                ]
+                [c, c["token_ids"], c["logprobs"], c["lengths"], c["rewards"], d["filtered"], d["prompt_ids"]]
             )
         )
         node[data.draw(st.sampled_from(sorted(node)))] = data.draw(_msgpack_values)
