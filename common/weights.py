@@ -11,9 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import mmap
 import os
 import re
 import shutil
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load
 
 from common.schemas import WeightsAnnouncement
 
@@ -43,14 +45,29 @@ def digest(directory: str | os.PathLike[str]) -> tuple[str, int]:
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{directory}: no *.safetensors files")
+    maps = [_map(f) for f in files]
+    try:
+        return _sha256(maps), sum(len(m) for m in maps)
+    finally:
+        for m in maps:
+            m.close()
+
+
+def _map(path: Path) -> mmap.mmap:
+    """A private, copy-on-write mapping of a whole file: hashing and loading read the page cache in place, with no
+    copy into Python bytes (which cost more than the hash itself). The mapping keeps the file's contents even if the
+    version is pruned or re-published meanwhile (both unlink or rename, the store never writes a file in place)."""
+    with path.open("rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            raise WeightsError(f"{path}: empty file")
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
+def _sha256(maps: list[mmap.mmap]) -> str:
     h = hashlib.sha256()
-    total = 0
-    for f in files:
-        with f.open("rb") as fh:
-            while chunk := fh.read(1 << 22):
-                h.update(chunk)
-                total += len(chunk)
-    return h.hexdigest(), total
+    for m in maps:
+        h.update(m)  # hashlib releases the GIL over large buffers
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -118,23 +135,53 @@ def prune(root: str | os.PathLike[str], keep: int) -> None:
 def load_state_dict(ann: WeightsAnnouncement) -> tuple[dict[str, torch.Tensor], int]:
     """Read a published version, checking its digest. Returns the tensors and the bytes read.
 
-    Each file is read once and the very bytes that were hashed are the ones deserialised, so a version pruned or
-    rewritten meanwhile is a WeightsError, never a half-verified load."""
+    Each file is mapped once, and the very bytes that were hashed are the ones the tensors view (no copies: loading
+    them into a model is the one copy), so a version pruned or rewritten meanwhile is a WeightsError or the old,
+    verified contents, never a half-verified load."""
     directory = Path(ann.uri)
     try:
-        blobs = [f.read_bytes() for f in sorted(directory.glob("*.safetensors"))]
+        maps = [_map(f) for f in sorted(directory.glob("*.safetensors"))]
     except OSError as e:
         raise WeightsError(f"weights v{ann.version}: {e}") from None
-    if not blobs:
+    if not maps:
         raise WeightsError(f"weights v{ann.version}: {directory} does not exist or holds no weights (pruned?)")
-    h = hashlib.sha256()
-    for blob in blobs:
-        h.update(blob)
-    _check_digest(ann, h.hexdigest())
+    _check_digest(ann, _sha256(maps))
     state: dict[str, torch.Tensor] = {}
-    for blob in blobs:
-        state.update(load(blob))
-    return state, sum(len(b) for b in blobs)
+    for m in maps:
+        state.update(_tensors(m, f"weights v{ann.version}"))
+    return state, sum(len(m) for m in maps)
+
+
+# safetensors' dtype names (https://github.com/huggingface/safetensors: an 8-byte little-endian header length, a
+# JSON header of name → dtype, shape, [begin, end) offsets after the header, then the data, little-endian).
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+def _tensors(m: mmap.mmap, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file, as views of its mapping."""
+    try:
+        (n,) = struct.unpack_from("<Q", m, 0)
+        header = json.loads(m[8 : 8 + n])
+        start = 8 + n
+        out: dict[str, torch.Tensor] = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype, shape, (begin, end) = _DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+            numel = math.prod(shape)
+            if not 0 <= begin <= end <= len(m) - start or end - begin != numel * dtype.itemsize:
+                raise ValueError(f"tensor {name}: offsets {begin}..{end} do not fit its shape or the file")
+            if numel == 0:
+                out[name] = torch.empty(shape, dtype=dtype)
+            else:
+                out[name] = torch.frombuffer(m, dtype=dtype, count=numel, offset=start + begin).view(shape)
+        return out
+    except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise WeightsError(f"{where}: not a safetensors file ({type(e).__name__}: {e})") from None
 
 
 def verify(ann: WeightsAnnouncement) -> int:
@@ -143,7 +190,7 @@ def verify(ann: WeightsAnnouncement) -> int:
     is a WeightsError."""
     try:
         sha, nbytes = digest(ann.uri)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise WeightsError(f"weights v{ann.version}: {e}") from None
     _check_digest(ann, sha)
     return nbytes
