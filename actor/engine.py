@@ -83,7 +83,7 @@ class SimEngine:
 
     Each completion has a random length up to ``sampling.max_new_tokens`` and ends with end-of-sequence when shorter;
     its log-probs are exact for uniform sampling (-log V per token). Weights are loaded and verified as a real
-    engine would (same I/O, same sha256 check) and then discarded; only the tokenizer is loaded."""
+    engine would (same I/O, same digest check) and then discarded; only the tokenizer is loaded."""
 
     def __init__(self, cfg: Config, seed: int):
         from transformers import AutoTokenizer

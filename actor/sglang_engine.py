@@ -5,7 +5,7 @@
   temperature sampling), ``max_new_tokens``, ``stop_token_ids`` and ``return_logprob``. Completions come from
   ``output_ids``, ``meta_info.output_token_logprobs`` and ``meta_info.finish_reason``; the server's
   ``weight_version`` must be the version the group is stamped with.
-- ``POST /update_weights_from_disk`` with a published version's directory (checked against its sha256 first) and our
+- ``POST /update_weights_from_disk`` with a published version's directory (checked against its digest first) and our
   version number; ``flush_cache`` so that no prefix-cache entry computed with old weights serves a new request.
 - ``GET /health`` for readiness. Requests are retried a bounded number of times on connection errors and 5xx.
 
@@ -213,7 +213,7 @@ class SGLangEngine:
         return parse_samples(self.client.request("POST", "/generate", body), len(prompts), n, self.served)
 
     def load(self, ann: WeightsAnnouncement) -> int:
-        """Verify the published directory against its sha256, then have the server load it as our version."""
+        """Verify the published directory against its digest, then have the server load it as our version."""
         nbytes = verify(ann)
         body = {"model_path": ann.uri, "weight_version": str(ann.version), "abort_all_requests": False,
                 "flush_cache": True}  # fmt: skip

@@ -77,3 +77,22 @@ def scale(result: dict[str, Any], png: Path) -> bool:
     ax.set_xticks(k, [str(v) for v in k])
     ax.legend(fontsize=8)
     return _save(plt, fig, png)
+
+
+def versus_trl(result: dict[str, Any], png: Path) -> bool:
+    """B2: reward and held-out accuracy against wall-clock, the project's demo and TRL's GRPOTrainer, each seed."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"project": "tab:blue", "trl": "tab:orange"}
+    for run in result["runs"]:
+        label = f"{'grpo-pipeline' if run['kind'] == 'project' else 'TRL GRPOTrainer'} seed {run['seed']}"
+        style = {"color": colors[run["kind"]], "alpha": 1.0 if run["seed"] == 0 else 0.5}
+        ax_r.plot(run["seconds"], run["reward"], label=label, linewidth=1, **style)
+        ax_a.plot(run["eval_seconds"], run["accuracy"], marker="o", markersize=3, label=label, **style)
+    ax_r.axhline(result["target_reward"], color="grey", linewidth=0.5)
+    ax_r.set(xlabel="wall-clock seconds", ylabel="reward (every sampled completion)", title="B2: reward")
+    ax_a.set(xlabel="wall-clock seconds", ylabel="greedy held-out accuracy", title="B2: eval/accuracy")
+    ax_r.legend(fontsize=8)
+    return _save(plt, fig, png)

@@ -6,12 +6,13 @@ ratios, never absolute-time claims. Results go to ``benchmarks/results/<date>.js
     .venv/bin/python benchmarks/run.py --only B3 B4
 
 - B1 overlap (benchmarks/overlap.py): asynchronous vs synchronous pipeline, as a fraction of the ideal speedup.
+- B2 TRL (benchmarks/versus_trl.py): the demo against TRL's GRPOTrainer, completions/s and time to target.
 - B3 transport (benchmarks/transport.py): the project's group path vs raw Redis stream commands.
 - B4 weights (benchmarks/weights.py): publish + load vs raw safetensors save + load.
 - B5 scale (benchmarks/scale.py): groups/s at the learner with K actors vs K x one actor's.
 - curves (benchmarks/curves.py): the demo's reward and accuracy against wall-clock, three seeds, and synchronous.
 
-PNG plots of B1, B5 and the curves go beside the report (``<date>-b1.png`` ...) when matplotlib is installed
+PNG plots of B1, B2, B5 and the curves go beside the report (``<date>-b1.png`` ...) when matplotlib is installed
 (the ``bench`` extra).
 """
 
@@ -35,10 +36,18 @@ import overlap  # noqa: E402
 import plots  # noqa: E402
 import scale  # noqa: E402
 import transport  # noqa: E402
+import versus_trl  # noqa: E402
 import weights  # noqa: E402
 
-BENCHMARKS = {"B1": overlap.run, "B3": transport.run, "B4": weights.run, "B5": scale.run, "curves": curves.run}
-PLOTS = {"B1": plots.overlap, "B5": plots.scale, "curves": plots.curves}
+BENCHMARKS = {
+    "B1": overlap.run,
+    "B2": versus_trl.run,
+    "B3": transport.run,
+    "B4": weights.run,
+    "B5": scale.run,
+    "curves": curves.run,
+}
+PLOTS = {"B1": plots.overlap, "B2": plots.versus_trl, "B5": plots.scale, "curves": plots.curves}
 
 
 def lines(name: str, result: dict) -> list[str]:
@@ -49,6 +58,13 @@ def lines(name: str, result: dict) -> list[str]:
             out.append(f"B1 overlap g/t={c['g_over_t']:<5} speedup {c['speedup']:.2f} of ideal "
                        f"{c['ideal_speedup']:.2f} = {c['fraction_of_ideal']:.2f}  (goal >= {c['goal']}); learner "
                        f"idle {c['async_learner_idle_fraction']:.1%}")  # fmt: skip
+    elif name == "B2":
+        ttt = result["time_to_target_ratio"]
+        out.append(f"B2 TRL completions/s: {result['completions_per_s_ratio']:.2f} x TRL's  (goal >= "
+                   f"{result['completions_per_s_goal']})")  # fmt: skip
+        out.append(f"B2 TRL time to reward {result['target_reward']}: "
+                   f"{'not reached' if ttt is None else f'{ttt:.2f}'} x TRL's  (goal <= "
+                   f"{result['time_to_target_goal']})")  # fmt: skip
     elif name == "B3":
         for c in result["cases"]:
             out.append(f"B3 transport 16 x {c['completion_tokens']} tokens: {c['ratio']:.2f} x raw  (goal >= "

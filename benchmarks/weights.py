@@ -1,6 +1,7 @@
-"""B4 weights: publishing a version and an actor loading it — ``common.weights.publish`` (HF save_pretrained,
-tokenizer, sha256, atomic rename, pruning) then ``load_state_dict`` (read, verify the digest) and ``load_into`` —
-against raw ``safetensors.torch.save_file`` and ``load_file`` of the same state dict, measured in the same run.
+"""B4 weights: publishing a version and an actor loading it — ``common.weights.publish`` as the learner calls it
+(HF save_pretrained, the xxh3-128 digest, atomic rename, pruning the old versions in the background) then
+``load_state_dict`` (map the file, verify the digest) and ``load_into`` (copy into the engine's model) — against
+raw ``safetensors.torch.save_file`` and ``load_file`` of the same state dict, measured in the same run.
 
     .venv/bin/python benchmarks/weights.py [--quick] [--out result.json]
 
@@ -46,7 +47,7 @@ def build(size: str) -> tuple[torch.nn.Module, int]:
 def project(model: torch.nn.Module, engine: torch.nn.Module, root: Path, version: int) -> float:
     os.sync()  # each path starts with no write-back pending from the other (a flush would otherwise land on it)
     t0 = time.perf_counter()
-    pub = publish(model, None, root, version, keep=2)
+    pub = publish(model, None, root, version, keep=2, prune_in_background=True)  # as the learner publishes
     state, _ = load_state_dict(pub.announcement)
     load_into(engine, state)
     return time.perf_counter() - t0
@@ -69,7 +70,7 @@ def raw(model: torch.nn.Module, root: Path, version: int) -> float:
 def run(quick: bool) -> dict[str, object]:
     hf_logging.disable_progress_bar()
     size = "25m" if quick else "100m"
-    trials = 3 if quick else 5
+    trials = 5 if quick else 7
     model, n_params = build(size)
     engine, _ = build(size)
     with tempfile.TemporaryDirectory(prefix="grpo-bench-weights-") as tmp:

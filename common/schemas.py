@@ -30,8 +30,9 @@ B3). Version 1 carried ``completions`` as a list of ``{"token_ids", "logprobs", 
 the decoder still reads it, so groups left in a stream by an older build are trained, not dead-lettered.
 
 ``WeightsAnnouncement`` (learner → Redis hash ``weights:latest`` + channel ``weights`` → actors)
-    ``version``, ``uri`` (a directory), ``sha256`` (over its ``*.safetensors`` files in name order), ``format``,
-    ``published_at``.
+    ``version``, ``uri`` (a directory), ``digest`` (``xxh3-128:<hex>`` or ``sha256:<hex>``, over its
+    ``*.safetensors`` files in name order; an announcement with only the ``sha256`` field of earlier builds is
+    read as ``sha256:<it>``), ``format``, ``published_at``.
 
 A payload that fails here raises :class:`SchemaError` with a one-line reason; the learner moves it to the ``dead``
 stream with that reason and the raw bytes.
@@ -187,19 +188,27 @@ class GroupMessage:
         return cast(list[float], self.columns.rewards.tolist())
 
 
+# The digests a version may be announced with, and the length of each one's hex form.
+DIGEST_HEX_LENGTHS = {"xxh3-128": 32, "sha256": 64}
+
+
 @dataclass(frozen=True)
 class WeightsAnnouncement:
     version: int
     uri: str
-    sha256: str
+    digest: str  # "<algorithm>:<hex>", e.g. "xxh3-128:9f…" (see common.weights.digest)
     format: str = "hf-safetensors"
     published_at: float = field(default_factory=time.time)
+
+    @property
+    def digest_algorithm(self) -> str:
+        return self.digest.partition(":")[0]
 
     def to_hash(self) -> dict[str, str]:
         return {
             "version": str(self.version),
             "uri": self.uri,
-            "sha256": self.sha256,
+            "digest": self.digest,
             "format": self.format,
             "published_at": repr(self.published_at),
         }
@@ -207,12 +216,19 @@ class WeightsAnnouncement:
     @classmethod
     def from_hash(cls, h: Mapping[Any, Any]) -> WeightsAnnouncement:
         d = {as_text(k): as_text(v) for k, v in h.items()}
+        if "digest" not in d and "sha256" in d:  # announced by a build before the digest field (sha256 only)
+            d["digest"] = f"sha256:{d['sha256']}"
         try:
-            ann = cls(int(d["version"]), d["uri"], d["sha256"], d["format"], float(d["published_at"]))
+            ann = cls(int(d["version"]), d["uri"], d["digest"], d["format"], float(d["published_at"]))
         except (KeyError, ValueError) as e:
             raise SchemaError(f"weights announcement: missing or malformed field ({e})") from None
-        if ann.version < 0 or len(ann.sha256) != 64:
-            raise SchemaError(f"weights announcement: bad version {ann.version} or sha256 {ann.sha256!r}")
+        algorithm, _, hexdigest = ann.digest.partition(":")
+        if (
+            ann.version < 0
+            or len(hexdigest) != DIGEST_HEX_LENGTHS.get(algorithm)
+            or not all(c in "0123456789abcdef" for c in hexdigest)
+        ):
+            raise SchemaError(f"weights announcement: bad version {ann.version} or digest {ann.digest!r}")
         return ann
 
 

@@ -5,7 +5,7 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 =====================  ==========  ======================================================================
 ``groups``             stream      scored groups, consumer group ``learners``; field ``data`` = msgpack
 ``dead``               stream      rejected messages: ``reason``, ``payload`` (raw bytes), ``source_id``
-``weights:latest``     hash        ``version``, ``uri``, ``sha256``, ``format``, ``published_at``
+``weights:latest``     hash        ``version``, ``uri``, ``digest``, ``format``, ``published_at``
 ``weights``            channel     pub/sub: the new version number, published with the hash update
 ``prompts:cursor``     counter     shared by actors so replicas do not repeat prompts
 ``actors:<id>``        string+TTL  heartbeat (JSON: version, pid, groups sent)
@@ -430,6 +430,7 @@ class Transport:
     def announce_weights(self, ann: WeightsAnnouncement) -> None:
         """Update ``weights:latest`` and publish the version on the ``weights`` channel, atomically."""
         pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.weights_latest)  # no field of an earlier build's announcement outlives it
         pipe.hset(self.keys.weights_latest, mapping=cast(Any, ann.to_hash()))
         pipe.publish(self.keys.weights_channel, str(ann.version))
         self._do(pipe.execute)

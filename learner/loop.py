@@ -293,7 +293,9 @@ class Learner:
 
     def publish(self) -> dict[str, float]:
         wc = self.cfg.weights
-        pub = publish(self.model, self.tokenizer, wc.dir, self.version, wc.keep, wc.dtype)
+        pub = publish(
+            self.model, self.tokenizer, wc.dir, self.version, wc.keep, wc.dtype, wc.digest, prune_in_background=True
+        )
         self.transport.announce_weights(pub.announcement)
         self.metrics.publish_seconds.observe(pub.seconds)
         self.metrics.publish_bytes.set(pub.nbytes)

@@ -111,7 +111,7 @@ def test_actor_with_sglang_engine_sends_groups_and_updates_the_server_weights(
             for c in g.completions:
                 assert len(c.token_ids) == len(c.logprobs) and (c.logprobs <= 0).all()
 
-        # A new version: the actor checks its sha256 and has the server load that directory as version 5.
+        # A new version: the actor checks its digest and has the server load that directory as version 5.
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(demo_model_dir)

@@ -24,7 +24,7 @@ def test_keys_live_under_the_run_hash_tag(redis_url: str) -> None:
     t.produce([b"x"], {"groups_filtered:zero_std": 2})
     t.next_prompts(3)
     t.heartbeat("a1", 5, {})
-    t.announce_weights(WeightsAnnouncement(1, "/w/v1", "a" * 64))
+    t.announce_weights(WeightsAnnouncement(1, "/w/v1", "xxh3-128:" + "a" * 32))
     t.mark_done()
     keys = sorted(k.decode() for k in t.client.keys("*"))
     assert keys == [
@@ -94,9 +94,14 @@ def test_weights_announcement_hash_and_pubsub(redis_url: str) -> None:
     assert t.latest_weights() is None
     ps = t.subscribe_weights()
     ps.get_message(timeout=1)  # drain nothing; subscription is active
-    ann = WeightsAnnouncement(4, "/w/v000004", "b" * 64)
+    # An earlier build's announcement (a sha256 field, no digest) is read, and replaced whole by the next one.
+    t.client.hset(t.keys.weights_latest, mapping={"version": "3", "uri": "/w/v000003", "sha256": "c" * 64,
+                                                  "format": "hf-safetensors", "published_at": "1.5"})  # fmt: skip
+    assert t.latest_weights() == WeightsAnnouncement(3, "/w/v000003", "sha256:" + "c" * 64, published_at=1.5)
+    ann = WeightsAnnouncement(4, "/w/v000004", "xxh3-128:" + "b" * 32)
     t.announce_weights(ann)
     assert t.latest_weights() == ann
+    assert b"sha256" not in t.client.hgetall(t.keys.weights_latest)
     msg = ps.get_message(timeout=2)
     assert msg is not None and msg["data"] == b"4"
     ps.close()

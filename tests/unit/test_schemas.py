@@ -227,13 +227,18 @@ def test_garbage_is_a_schema_error(raw: bytes) -> None:
 
 
 def test_weights_announcement_hash_round_trip_and_validation() -> None:
-    ann = WeightsAnnouncement(3, "/w/v000003", "a" * 64)
-    back = WeightsAnnouncement.from_hash({k.encode(): v.encode() for k, v in ann.to_hash().items()})
-    assert back == ann
+    for digest in ("xxh3-128:" + "a" * 32, "sha256:" + "0123456789abcdef" * 4):
+        ann = WeightsAnnouncement(3, "/w/v000003", digest)
+        back = WeightsAnnouncement.from_hash({k.encode(): v.encode() for k, v in ann.to_hash().items()})
+        assert back == ann and back.digest_algorithm == digest.split(":")[0]
     with pytest.raises(SchemaError):
         WeightsAnnouncement.from_hash({"version": "x"})
-    with pytest.raises(SchemaError):
-        WeightsAnnouncement.from_hash({**ann.to_hash(), "sha256": "short"})
+    for bad in ("xxh3-128:short", "sha256:" + "a" * 32, "md5:" + "a" * 32, "a" * 64, "xxh3-128:" + "G" * 32):
+        with pytest.raises(SchemaError, match="digest"):
+            WeightsAnnouncement.from_hash({**ann.to_hash(), "digest": bad})
+    # What builds before the digest field announced: a bare sha256.
+    legacy = {k: v for k, v in ann.to_hash().items() if k != "digest"} | {"sha256": "b" * 64}
+    assert WeightsAnnouncement.from_hash(legacy).digest == "sha256:" + "b" * 64
 
 
 _msgpack_values = st.recursive(

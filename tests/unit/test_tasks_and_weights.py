@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from common.schemas import WeightsAnnouncement
 from common.tasks import addition_task
-from common.weights import WeightsError, digest, load_into, load_state_dict, publish, version_dir
+from common.weights import WeightsError, digest, load_into, load_state_dict, publish, verify, version_dir
 
 
 def test_addition_split_is_disjoint_and_deterministic() -> None:
@@ -45,8 +46,9 @@ def test_publish_is_atomic_verified_and_pruned(tiny_model_dir: Path, tmp_path: P
     pubs = [publish(model, tok, root, v, keep=2) for v in range(1, 5)]
     assert sorted(p.name for p in root.iterdir()) == ["v000003", "v000004"]  # only the newest two, no temp dirs
     ann = pubs[-1].announcement
-    assert ann.uri == str(version_dir(root, 4)) and ann.sha256 == digest(ann.uri)[0]
-    assert (Path(ann.uri) / "sha256").read_text().strip() == ann.sha256
+    assert ann.uri == str(version_dir(root, 4)) and ann.digest == digest(ann.uri)[0]
+    assert ann.digest_algorithm == "xxh3-128" and len(ann.digest) == len("xxh3-128:") + 32
+    assert (Path(ann.uri) / "digest").read_text().strip() == ann.digest
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in Path(ann.uri).iterdir()}
     assert pubs[-1].nbytes > 1_000_000
 
@@ -64,9 +66,41 @@ def test_publish_is_atomic_verified_and_pruned(tiny_model_dir: Path, tmp_path: P
 
     # A corrupted or vanished version is refused.
     with pytest.raises(WeightsError, match="does not match"):
-        load_state_dict(WeightsAnnouncement(4, ann.uri, "0" * 64))
+        load_state_dict(WeightsAnnouncement(4, ann.uri, "xxh3-128:" + "0" * 32))
     with pytest.raises(WeightsError, match="pruned"):
         load_state_dict(pubs[0].announcement)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3-128", "sha256"])
+def test_a_changed_byte_is_caught_by_either_digest(tiny_model_dir: Path, tmp_path: Path, algorithm: str) -> None:
+    import hashlib
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ann = publish(model, None, tmp_path / "w", 1, keep=2, digest_algorithm=algorithm).announcement
+    weights = Path(ann.uri) / "model.safetensors"
+    if algorithm == "sha256":  # the announced digest is the file's plain sha256, checkable with sha256sum
+        assert ann.digest == "sha256:" + hashlib.sha256(weights.read_bytes()).hexdigest()
+    state, nbytes = load_state_dict(ann)
+    assert nbytes == weights.stat().st_size and set(state) >= {"model.embed_tokens.weight"}
+    assert verify(ann) == nbytes
+    # The mapping a loaded state views keeps its bytes when the version is pruned meanwhile.
+    before = state["model.embed_tokens.weight"].clone()
+    shutil.rmtree(ann.uri)
+    assert torch.equal(state["model.embed_tokens.weight"], before)
+
+    ann = publish(model, None, tmp_path / "w", 2, keep=2, digest_algorithm=algorithm).announcement
+    weights = Path(ann.uri) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    for check in (load_state_dict, verify):
+        with pytest.raises(WeightsError, match="does not match"):
+            check(ann)
+    weights.write_bytes(bytes(data[:1000]))  # truncated: not even a safetensors file any more
+    with pytest.raises(WeightsError):
+        load_state_dict(ann)
 
 
 def test_publish_can_cast_to_the_serving_dtype(tiny_model_dir: Path, tmp_path: Path) -> None:
