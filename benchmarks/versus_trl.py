@@ -8,7 +8,7 @@ problems, holding out the same 20, with the demo's settings: G = 8 completions p
 (256 completions) split into 4 mini-batches of 64 with one AdamW step each (lr 7e-5, betas 0.9/0.99, no weight
 decay, gradient norm clipped at 1), the ``dapo`` loss with ε 0.2 / 0.28, β = 0, temperature 1, at most 4 new tokens,
 rewards scaled by their group's std, graded by the same grader (the answer followed by end-of-sequence). In TRL's
-terms: ``generation_batch_size`` 256, ``per_device_train_batch_size`` 64, ``steps_per_generation`` 4,
+terms: ``per_device_train_batch_size`` 64 and ``steps_per_generation`` 4 (a generation of 256 completions),
 ``num_iterations`` 1, so that a TRL generation is a learner step here.
 
 What differs is what each system is: the project runs its demo as it ships (two actor processes sampling while the
@@ -118,6 +118,9 @@ def trl(model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
 
         class Clock(TrainerCallback):  # type: ignore[misc]
             def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+                # Step 0's evaluation, before the clock starts, as the project's learner does it.
+                with torch.no_grad():
+                    evals.append((0.0, evaluate()))
                 clock["start"] = time.perf_counter()
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -132,7 +135,6 @@ def trl(model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
             seed=seed,
             max_steps=steps * MINI_BATCHES,
             num_generations=GROUP,
-            generation_batch_size=GROUP * PROMPTS,
             per_device_train_batch_size=GROUP * PROMPTS // MINI_BATCHES,
             steps_per_generation=MINI_BATCHES,
             num_iterations=1,
