@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ def trl(model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
     """TRL's GRPOTrainer on the same model, problems and settings (see the module's docstring)."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig, GRPOTrainer
 
@@ -81,6 +82,7 @@ def trl(model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
     from grader.pool import open_grader
 
     hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames, inside TRL
     torch.set_num_threads(2)  # the machine's cores; the project's three processes take one each
     torch.manual_seed(seed)
     cfg = Config()
@@ -169,6 +171,7 @@ def trl(model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
             model=policy, reward_funcs=reward, args=args, train_dataset=train, processing_class=tokenizer,
             callbacks=[Clock()],
         )  # fmt: skip
+        trainer.remove_callback(PrinterCallback)  # its end-of-training dict would land in the benchmark's output
         # The prompts TRL generates from must be the token ids the project's actors send (the tokenizer's BOS).
         assert tokenizer(task.train[0].prompt)["input_ids"] == encode(task.train[0].prompt)
         trainer.train()
