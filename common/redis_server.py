@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -47,9 +48,16 @@ class RedisServer:
     """``start()`` / ``stop()`` / ``restart()`` (same port and data directory, for fault tests)."""
 
     def __init__(
-        self, directory: str | Path, *, appendonly: bool = False, port: int | None = None, fsync: str = "everysec"
+        self,
+        directory: str | Path,
+        *,
+        appendonly: bool = False,
+        port: int | None = None,
+        fsync: str = "everysec",
+        extra_args: Sequence[str] = (),
     ):
         self.directory = Path(directory)
+        self.extra_args = list(extra_args)  # more redis-server options, e.g. --cluster-enabled yes
         self.appendonly = appendonly
         self.fsync = fsync  # appendfsync: "always" loses no acknowledged write even if the machine dies
         self.port = port
@@ -77,6 +85,7 @@ class RedisServer:
                     "--protected-mode", "yes",
                     "--daemonize", "no",
                     "--loglevel", "warning",
+                    *self.extra_args,
                 ],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
