@@ -1,7 +1,7 @@
 """B2 against TRL: TRL's ``GRPOTrainer`` and the project's ``grpo run`` on the same demo model, task and settings,
 measured in the same run: completions trained per second and wall-clock seconds to the demo's target reward.
 
-    .venv/bin/python benchmarks/versus_trl.py [--quick] [--out result.json] [--png b2.png]
+    .venv/bin/python benchmarks/versus_trl.py [--quick] [--steps N] [--out result.json] [--png b2.png]
 
 Needs TRL (the ``bench`` extra). Both sides start from the demo model (seed 0's) and train on the same 80 addition
 problems, holding out the same 20, with the demo's settings: G = 8 completions per prompt, batches of 32 prompts
@@ -184,10 +184,10 @@ def trl(model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
     return _summary("trl", seed, c, GROUP * PROMPTS * len(history))
 
 
-def run(quick: bool, png: Path | None = None) -> dict[str, object]:
+def run(quick: bool, png: Path | None = None, steps: int | None = None) -> dict[str, object]:
     from common.tiny_model import ensure_tiny_model
 
-    steps = 40 if quick else 120
+    steps = steps or (40 if quick else 120)
     seeds = (0,) if quick else (0, 1, 2)
     model = ensure_tiny_model(seed=0, eval_size=20)
     runs = []
@@ -223,8 +223,9 @@ def run(quick: bool, png: Path | None = None) -> dict[str, object]:
 def main() -> int:
     p = harness.parser(__doc__, "one seed of 40 steps per system instead of three of 120")
     p.add_argument("--png", type=Path, default=None)
+    p.add_argument("--steps", type=int, default=None, help="learner steps (TRL generations) per run")
     args = p.parse_args()
-    return harness.emit(run(args.quick, args.png), args.out)
+    return harness.emit(run(args.quick, args.png, args.steps), args.out)
 
 
 if __name__ == "__main__":

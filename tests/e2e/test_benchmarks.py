@@ -1,4 +1,4 @@
-"""The benchmark scripts keep working: the learner-throughput benchmark, small, on the CPU."""
+"""The benchmark scripts keep working, each small, on the CPU."""
 
 from __future__ import annotations
 
@@ -57,3 +57,17 @@ def test_b5_and_the_runner_write_one_report(tmp_path) -> None:  # type: ignore[n
     assert done.returncode == 0, done.stdout + done.stderr
     cases = json.loads(done.stdout.strip().splitlines()[-1])["cases"]
     assert [c["actors"] for c in cases] == [1, 2] and cases[0]["ratio"] == 1.0 and cases[1]["groups_per_s"] > 0
+
+
+def test_b2_trains_the_project_and_trl_on_the_same_problems(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    png = tmp_path / "b2.png"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "versus_trl.py"), "--quick", "--steps", "3", "--png", str(png)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    project, trl = report["runs"]
+    assert (project["kind"], trl["kind"]) == ("project", "trl")
+    for r in (project, trl):  # three steps each, every completion of a batch counted, step 0 and the last evaluated
+        assert r["steps"] == 3 and r["completions"] == 3 * 256 and r["completions_per_s"] > 0
+        assert all(0.0 <= x <= 1.0 for x in r["reward"]) and len(r["accuracy"]) == 2
+    assert report["completions_per_s_ratio"] > 0 and png.stat().st_size > 0
