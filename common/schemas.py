@@ -243,7 +243,12 @@ _LITTLE_ENDIAN: dict[str, np.dtype] = {"int32": np.dtype("<i4"), "float32": np.d
 
 
 def _array(a: np.ndarray, dtype: str) -> dict[str, Any]:
-    return {"dtype": dtype, "data": np.ascontiguousarray(a, dtype=_LITTLE_ENDIAN[dtype]).tobytes()}
+    # tobytes() copies in C order whatever the layout; only another dtype needs a conversion first.
+    a = np.asarray(a)
+    return {
+        "dtype": dtype,
+        "data": (a if a.dtype == _LITTLE_ENDIAN[dtype] else a.astype(_LITTLE_ENDIAN[dtype])).tobytes(),
+    }
 
 
 def encode_group(msg: GroupMessage) -> bytes:
