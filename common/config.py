@@ -51,7 +51,12 @@ class RunConfig(_Section):
 
 
 class RedisConfig(_Section):
-    url: str = Field("", description="redis:// or rediss:// URL; empty under `grpo run` = a private server")
+    url: str = Field(
+        "",
+        description="redis:// or rediss:// URL, or redis+sentinel://[user:pass@]host:26379[,host:port...]/<master "
+        "name>[/db] for a Sentinel-managed primary (rediss+sentinel:// with TLS; the URL's credentials go to the "
+        "sentinels); empty under `grpo run` = a private server",
+    )
     username: str = Field("", description="ACL user (overrides the URL's); env GRPO_REDIS_USERNAME")
     password: SecretStr | None = Field(None, description="overrides the URL's password; env GRPO_REDIS_PASSWORD")
     tls_ca_file: str = Field("", description="rediss:// only: CA bundle that signed the server's certificate")
@@ -67,10 +72,13 @@ class RedisConfig(_Section):
     backoff_max_s: float = Field(5.0, gt=0, description="longest wait between two reconnect attempts")
 
     @model_validator(mode="after")
-    def _tls_needs_rediss(self) -> RedisConfig:
+    def _url_scheme_and_tls(self) -> RedisConfig:
         tls = [n for n in ("tls_ca_file", "tls_cert_file", "tls_key_file") if getattr(self, n)]
-        if tls and self.url and not self.url.startswith("rediss://"):
-            raise ValueError(f"{tls[0]} is set but redis.url is not rediss:// (TLS)")
+        if tls and self.url and not self.url.startswith(("rediss://", "rediss+sentinel://")):
+            raise ValueError(f"{tls[0]} is set but redis.url is not rediss:// or rediss+sentinel:// (TLS)")
+        scheme = self.url.partition("://")[0]
+        if self.url and scheme not in ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel"):
+            raise ValueError(f"redis.url: scheme {scheme!r} is not redis, rediss, unix or redis+sentinel")
         return self
 
 
@@ -479,14 +487,13 @@ class Config(_Section):
 
 
 def mask_url(url: str) -> str:
-    """``redis://user:secret@host:6379/0`` → ``redis://user:***@host:6379/0``."""
+    """``redis://user:secret@host:6379/0`` → ``redis://user:***@host:6379/0`` (also with several hosts, as a
+    Sentinel URL has)."""
     parts = urlsplit(url)
-    if not parts.password:
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{hosts}"))
 
 
 # Environment variables read into the tree; the names are documented in the README.

@@ -34,11 +34,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from common.config import RedisConfig
 from common.schemas import WeightsAnnouncement, as_text
@@ -120,6 +122,41 @@ redis.call('XDEL', KEYS[3], ARGV[1])
 return id
 """
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    hosts: list[tuple[str, int]]
+    service: str
+    db: int
+    username: str | None
+    password: str | None
+    tls: bool
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """``redis+sentinel://[user:pass@]host[:26379][,host[:port]...]/<primary name>[/<db>]`` (``rediss+sentinel``
+    with TLS)."""
+    parts = urlsplit(url)
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    hosts = []
+    for item in hostlist.split(","):
+        host, colon, port = item.rpartition(":") if ":" in item else (item, "", "")
+        if not host or (colon and not port.isdigit()):
+            raise ValueError(f"sentinel address {item!r} is not host[:port]")
+        hosts.append((host, int(port) if port else 26379))
+    path = [p for p in parts.path.split("/") if p]
+    if not 1 <= len(path) <= 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError("the path must be /<primary name>[/<db>], the name sentinel monitors")
+    return SentinelURL(
+        hosts,
+        unquote(path[0]),
+        int(path[1]) if len(path) == 2 else 0,
+        unquote(username) or None,
+        unquote(password) or None,
+        parts.scheme == "rediss+sentinel",
+    )
 
 
 class TransportError(RuntimeError):
@@ -209,21 +246,35 @@ class Transport:
         if cfg.password:
             auth["password"] = cfg.password.get_secret_value()
         tls = {"ssl_ca_certs": cfg.tls_ca_file, "ssl_certfile": cfg.tls_cert_file, "ssl_keyfile": cfg.tls_key_file}
-        auth |= {k: v for k, v in tls.items() if v}  # rediss:// verifies the server's certificate by default
+        tls = {k: v for k, v in tls.items() if v}  # rediss:// verifies the server's certificate by default
+        timeouts: dict[str, Any] = {
+            "socket_timeout": cfg.socket_timeout_s,
+            "socket_connect_timeout": min(cfg.socket_timeout_s, 10.0),
+        }
+        common: dict[str, Any] = {
+            **timeouts,
+            "health_check_interval": 30,
+            "retry": _LoggingRetry(cfg.retries, cfg.backoff_max_s, on_reconnect),
+            "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+        }
+        pool: redis.ConnectionPool
         try:
-            # The URL is parsed here rather than by from_url, where the URL's user and password would win over
-            # the config's (which come from the environment or a secret, and must win).
-            options = parse_url(cfg.url) | auth
+            if cfg.url.startswith(("redis+sentinel://", "rediss+sentinel://")):
+                s = parse_sentinel_url(cfg.url)
+                ssl = {"ssl": True, **tls} if s.tls else {}
+                # The URL's credentials are the sentinels'; the config's (environment, secret) the primary's,
+                # which default to the URL's when unset.
+                sentinel_auth = {k: v for k, v in (("username", s.username), ("password", s.password)) if v}
+                sentinel = Sentinel(s.hosts, sentinel_kwargs={**timeouts, **sentinel_auth, **ssl})
+                # Asked for the primary on every (re)connection: after a failover, the retry that follows the
+                # lost connection (or the READONLY reply of a demoted primary) reaches the new one.
+                pool = SentinelConnectionPool(s.service, sentinel, db=s.db, **(sentinel_auth | auth), **ssl, **common)
+            else:
+                # The URL is parsed here rather than by from_url, where the URL's user and password would win over
+                # the config's (which come from the environment or a secret, and must win).
+                pool = redis.ConnectionPool(**(parse_url(cfg.url) | auth | tls), **common)
         except ValueError as e:
-            raise TransportError(f"redis.url {cfg.url!r}: {e}") from None
-        pool = redis.ConnectionPool(
-            **options,
-            socket_timeout=cfg.socket_timeout_s,
-            socket_connect_timeout=min(cfg.socket_timeout_s, 10.0),
-            health_check_interval=30,
-            retry=_LoggingRetry(cfg.retries, cfg.backoff_max_s, on_reconnect),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        )
+            raise TransportError(f"redis.url {self.safe_url}: {e}") from None
         self.client = redis.Redis(connection_pool=pool)
         self._settle_script = self.client.register_script(_SETTLE)
         self._settle_trained_script = self.client.register_script(_SETTLE_TRAINED)
