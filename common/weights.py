@@ -99,12 +99,14 @@ def publish(
     digest_algorithm: str = "xxh3-128",
     *,
     prune_in_background: bool = False,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Published:
     """Write ``version`` atomically and prune old versions. The caller announces it (see Transport).
 
     ``dtype`` (``weights.dtype``): the floating-point tensors are written in it (``model``: as they are), and the
     saved ``config.json`` says so; a float32 learner then publishes the bfloat16 its actors serve, half the bytes.
-    ``digest_algorithm`` (``weights.digest``): see the module's docstring. With ``prune_in_background`` (the
+    ``digest_algorithm`` (``weights.digest``): see the module's docstring. ``state_dict``: the tensors to write when
+    they are not the model's own (a sharded learner gathers them whole first). With ``prune_in_background`` (the
     learner's choice) old versions are deleted by a thread while training goes on: freeing a model's pages costs as
     much as a third of writing it, and nobody waits for it. The next publish first waits for that prune, so two
     never overlap."""
@@ -114,12 +116,13 @@ def publish(
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-v{version:06d}-{uuid.uuid4().hex[:8]}"
     try:
-        state = None
+        state = state_dict
         if dtype != "model":
             cast = getattr(torch, dtype)
-            state = {k: v.to(cast) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+            whole = state_dict if state_dict is not None else model.state_dict()
+            state = {k: v.to(cast) if v.is_floating_point() else v for k, v in whole.items()}
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True, max_shard_size="50GB")
-        if state is not None:
+        if dtype != "model":
             _set_config_dtype(tmp / "config.json", dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

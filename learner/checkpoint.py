@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.weights import load_into
+from learner.distributed import Ranks
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
@@ -43,8 +44,7 @@ class Resumable:
     covers_groups: list[str] = field(default_factory=list)  # and their group ids
 
 
-def _optimizer_parts(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    sd = optimizer.state_dict()
+def _optimizer_parts(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for index, state in sd["state"].items():
@@ -56,14 +56,14 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, Any]:
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         _, index, name = key.split(".", 2)
         state.setdefault(int(index), {})[name] = value
     for index, values in meta["scalars"].items():
         state.setdefault(int(index), {}).update(values)
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def save(
@@ -74,14 +74,23 @@ def save(
     scheduler: Any,
     generator: torch.Generator,
     keep: int,
-) -> Path:
+    ranks: Ranks | None = None,
+) -> Path | None:
+    """Write a checkpoint (see the module's docstring); with ``ranks``, every rank calls it, the model and optimizer
+    are gathered whole, and rank 0 writes the same files (the others return None)."""
+    if ranks is None:
+        model_state, optim = None, optimizer.state_dict()
+    else:
+        model_state, optim = ranks.full_model_state(model), ranks.full_optimizer_state(model, optimizer)
+        if not ranks.main:
+            return None
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{resumable.step:06d}"
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     try:
-        model.save_pretrained(tmp, safe_serialization=True, max_shard_size="50GB")
-        opt_tensors, opt_meta = _optimizer_parts(optimizer)
+        model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True, max_shard_size="50GB")
+        opt_tensors, opt_meta = _optimizer_parts(optim)
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         rng = {"torch": torch.get_rng_state(), "trainer": generator.get_state()}
         if torch.cuda.is_available():
@@ -127,15 +136,21 @@ def load(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     generator: torch.Generator,
+    ranks: Ranks | None = None,
 ) -> Resumable:
-    """Restore a checkpoint into objects built from the same config; returns the rest."""
+    """Restore a checkpoint into objects built from the same config; returns the rest. With ``ranks``, every rank
+    reads the whole files and keeps its shards: a checkpoint resumes on any number of ranks."""
     path = Path(path)
     state = json.loads((path / "state.json").read_text())
     model_state: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("model*.safetensors")):
         model_state.update(load_file(str(f)))
-    load_into(model, model_state)
-    _restore_optimizer(optimizer, load_file(str(path / "optimizer.safetensors")), state["optimizer"])
+    optim = _optimizer_state(load_file(str(path / "optimizer.safetensors")), state["optimizer"])
+    if ranks is None:
+        load_into(model, model_state)
+        optimizer.load_state_dict(optim)
+    else:
+        ranks.load_full_state(model, optimizer, model_state, optim)
     scheduler.load_state_dict(state["scheduler"])
     rng = load_file(str(path / "rng.safetensors"))
     torch.set_rng_state(rng["torch"])

@@ -17,17 +17,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from common.config import Config, check_model_path, write_resolved
+from common.config import Config, ConfigError, check_model_path, write_resolved
 from common.evaluation import score_problems, summarise
 from common.generation import generate, pad_token_id, stop_token_ids
 from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
 from common.models import load_pretrained
-from common.schemas import GroupMessage, SchemaError, decode_group
+from common.schemas import GroupMessage, SchemaError, decode_group, encode_group
 from common.tasks import PromptEncoder, eval_problems
 from common.transport import StreamEntry, Transport, read_balance
 from common.weights import publish
@@ -35,6 +35,7 @@ from grader.pool import GraderPool, open_grader
 from learner import checkpoint
 from learner.alarms import Alarms
 from learner.checkpoint import Resumable
+from learner.distributed import Ranks
 from learner.trainer import Trainer, disable_dropout
 
 log = logging.getLogger("learner")
@@ -51,15 +52,20 @@ class Learner:
     def __init__(
         self,
         cfg: Config,
-        transport: Transport,
+        transport: Transport | None,
         model: Any,
         tokenizer: Any,
         grader: GraderPool,
         metrics: LearnerMetrics,
         reference: Any = None,
+        ranks: Ranks | None = None,
     ):
         self.cfg = cfg
-        self.transport = transport
+        # Under torchrun every rank runs this loop; rank 0 (main) alone uses Redis and writes files, the others
+        # follow it through broadcasts (learner.distributed) and have no transport.
+        self.ranks = ranks
+        self.main = ranks is None or ranks.main
+        self.transport = cast(Transport, transport)
         self.model = model
         self.tokenizer = tokenizer
         self.grader = grader
@@ -69,7 +75,7 @@ class Learner:
         self.encode = PromptEncoder(tokenizer, cfg.task)
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = pad_token_id(tokenizer, self.stop_ids)
-        self.trainer = Trainer(cfg, model, self.pad_id, reference)
+        self.trainer = Trainer(cfg, model, self.pad_id, reference, ranks)
         lc = cfg.learner
         self.alarms = Alarms(lc.alarm_window, lc.alarm_clip_ratio, lc.alarm_zero_std)
         self.consumer = f"learner-{socket.gethostname()}-{os.getpid()}"
@@ -89,16 +95,19 @@ class Learner:
     # -- the loop -----------------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        self.transport.ensure_consumer_group()
-        taken = self.transport.claim_pending(self.consumer)  # read by an earlier learner, never settled
-        if taken:
-            log.info("took over %d groups an earlier learner had read and not settled", len(taken))
+        if self.main:
+            self.transport.ensure_consumer_group()
+            taken = self.transport.claim_pending(self.consumer)  # read by an earlier learner, never settled
+            if taken:
+                log.info("took over %d groups an earlier learner had read and not settled", len(taken))
         resumed = self.resume()
         self.continue_versions()
-        self.transport.clear_done()  # (re)started to train: actors must not stop
+        if self.main:
+            self.transport.clear_done()  # (re)started to train: actors must not stop
         self.publish()  # actors align with the version the learner starts (or resumes) from
         if not resumed:
-            self._truncate_metrics(-1)  # rows of an earlier attempt that never checkpointed: trained again now
+            if self.main:
+                self._truncate_metrics(-1)  # rows of an earlier attempt that never checkpointed: trained again
             self.record({"step": 0, "policy_version": self.version, **self.evaluate()})
         steps = self.cfg.run.steps
         last = time.perf_counter()
@@ -125,7 +134,8 @@ class Learner:
                 stats |= self.publish()
             if self.step % self.cfg.learner.eval_every == 0 or self.step == steps:
                 stats |= self.evaluate()
-            stats |= self.stream_figures()
+            if self.main:
+                stats |= self.stream_figures()
             now = time.perf_counter()
             stats |= {"time/step_s": now - last, "time/wait_s": batch.wait_s}
             last = now
@@ -135,7 +145,10 @@ class Learner:
             # between would resume past it and the row would be lost; killed before, it retrains the step).
             if self.step % self.cfg.checkpoint.every == 0 or self.step == steps:
                 self.checkpoint()
-            self.raise_alarms(row)
+            if self.main:
+                self.raise_alarms(row)
+        if not self.main:
+            return 0
         self.transport.mark_done()
         log.info(
             "finished %d steps in %.1fs; %d groups trained",
@@ -155,8 +168,9 @@ class Learner:
         cc = self.cfg.checkpoint
         state = Resumable(self.step, self.version, self.counters(), self.window_ids, self.window_groups)
         t = self.trainer
-        checkpoint.save(cc.dir, state, self.model, t.optimizer, t.scheduler, t.generator, cc.keep)
-        self.transport.ack_trained(self.window_ids, self.window_groups, self.step, cc.dedup_window)
+        checkpoint.save(cc.dir, state, self.model, t.optimizer, t.scheduler, t.generator, cc.keep, self.ranks)
+        if self.main:
+            self.transport.ack_trained(self.window_ids, self.window_groups, self.step, cc.dedup_window)
         self.window_ids, self.window_groups = [], []
         self.checkpointed_step = self.step
         seconds = time.perf_counter() - t0
@@ -171,16 +185,21 @@ class Learner:
         """Continue from the newest checkpoint, if there is one: weights, optimizer, schedule, RNG, step and version
         (so published versions continue their sequence). Groups it covers are acknowledged first; groups trained
         after it were never acknowledged and are read again."""
-        path = checkpoint.latest(self.cfg.checkpoint.dir)
+        path = checkpoint.latest(self.cfg.checkpoint.dir) if self.main else None
+        if self.ranks is not None:  # the one rank 0 found, whatever the others' view of the directory
+            chosen = self.ranks.broadcast(None if path is None else str(path))
+            path = None if chosen is None else Path(chosen)
         if path is None:
             return False
         t = self.trainer
-        r = checkpoint.load(path, self.model, t.optimizer, t.scheduler, t.generator)
+        r = checkpoint.load(path, self.model, t.optimizer, t.scheduler, t.generator, self.ranks)
         self.step, self.version, self.checkpointed_step = r.step, r.version, r.step
         self.metrics.checkpoint_step.set(r.step)
         self.groups_consumed = r.counters.get("groups_consumed", 0)
         self.dropped = Counter(r.counters.get("dropped", {}))
         self.dead = r.counters.get("dead", 0)
+        if not self.main:
+            return True
         self.transport.ack_trained(r.covers, r.covers_groups, r.step, self.cfg.checkpoint.dedup_window)
         self._truncate_metrics(r.step)
         log.info("resumed from %s: step %d, policy version %d", path, r.step, r.version)
@@ -190,11 +209,14 @@ class Learner:
         """A learner that crashed may have published weights of steps that no checkpoint has (or before its first
         checkpoint). Versions must never go back or name two different weights (actors and staleness rely on
         both): the weights we start from become the next version, and steps and versions differ from here on."""
-        announced = self.transport.latest_weights()
-        if announced is not None and announced.version > self.version:
-            log.info("version %d was published by an earlier learner after the state we start from: continuing at "
-                     "version %d", announced.version, announced.version + 1)  # fmt: skip
-            self.version = announced.version + 1
+        if self.main:
+            announced = self.transport.latest_weights()
+            if announced is not None and announced.version > self.version:
+                log.info("version %d was published by an earlier learner after the state we start from: continuing "
+                         "at version %d", announced.version, announced.version + 1)  # fmt: skip
+                self.version = announced.version + 1
+        if self.ranks is not None:
+            self.version = int(self.ranks.broadcast(self.version))
 
     def _truncate_metrics(self, step: int) -> None:
         """Rows of steps after the checkpoint are about to be trained again: drop them rather than repeat them."""
@@ -210,6 +232,20 @@ class Learner:
     # -- steps --------------------------------------------------------------------------------------------------
 
     def collect(self) -> Collected | None:
+        """The next batch: read from Redis by rank 0 and sent to the other ranks as the groups' wire bytes (None:
+        asked to stop, every rank)."""
+        if self.ranks is None:
+            return self._collect()
+        if self.main:
+            batch = self._collect()
+            sent = None if batch is None else {"ids": batch.ids, "wait_s": batch.wait_s,
+                                                "groups": [encode_group(g) for g in batch.groups]}  # fmt: skip
+            self.ranks.broadcast(sent)
+            return batch
+        got = self.ranks.broadcast()
+        return None if got is None else Collected(got["ids"], [decode_group(g) for g in got["groups"]], got["wait_s"])
+
+    def _collect(self) -> Collected | None:
         """Read until ``batch_groups`` usable groups: a message that fails to decode is dead-lettered, a group too
         far behind (or ahead of) the learner's version is dropped, both counted in Redis with their reason."""
         want = self.cfg.learner.batch_groups
@@ -292,9 +328,21 @@ class Learner:
         return None
 
     def publish(self) -> dict[str, float]:
+        """Rank 0 writes and announces the version; under torchrun every rank first helps gather it whole."""
+        whole = self.ranks.full_model_state(self.model) if self.ranks is not None else None
+        if not self.main:
+            return {}
         wc = self.cfg.weights
         pub = publish(
-            self.model, self.tokenizer, wc.dir, self.version, wc.keep, wc.dtype, wc.digest, prune_in_background=True
+            self.model,
+            self.tokenizer,
+            wc.dir,
+            self.version,
+            wc.keep,
+            wc.dtype,
+            wc.digest,
+            prune_in_background=True,
+            state_dict=whole,
         )
         self.transport.announce_weights(pub.announcement)
         self.metrics.publish_seconds.observe(pub.seconds)
@@ -365,6 +413,8 @@ class Learner:
             self.metrics.alarm.labels(kind).set(int(on))
 
     def record(self, row: dict[str, Any]) -> None:
+        if not self.main:
+            return
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         m = self.metrics
@@ -391,13 +441,14 @@ class Learner:
 # -- the process ------------------------------------------------------------------------------------------------
 
 
-def load_models(cfg: Config) -> tuple[Any, Any, Any]:
+def load_models(cfg: Config, device: str | None = None) -> tuple[Any, Any, Any]:
     """Tokenizer, policy, and the frozen reference policy — loaded only when beta > 0, else None."""
-    tokenizer, model = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)
+    device = device or cfg.model.device
+    tokenizer, model = load_pretrained(cfg.model.path, cfg.model.dtype, device)
     disable_dropout(model)
     reference = None
     if cfg.learner.beta > 0:
-        reference = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)[1].requires_grad_(False)
+        reference = load_pretrained(cfg.model.path, cfg.model.dtype, device)[1].requires_grad_(False)
     return tokenizer, model, reference
 
 
@@ -405,6 +456,44 @@ def run_learner(cfg: Config) -> int:
     torch.set_num_threads(cfg.learner.torch_threads)
     torch.manual_seed(cfg.run.seed)
     check_model_path(cfg.model.path)
+    ranks = Ranks.from_env(cfg.model.device)  # under torchrun: this process's rank, its device
+    try:
+        if ranks is not None:
+            lc = cfg.learner
+            smallest = lc.batch_groups * cfg.actor.group_size // (lc.updates_per_batch * lc.grad_accum)
+            if smallest < ranks.world:  # every rank needs rows of every micro-batch (one forward each)
+                raise ConfigError(
+                    f"config error: learner.batch_groups: micro-batches of {smallest} completions cannot be split "
+                    f"over {ranks.world} ranks; raise learner.batch_groups or lower updates_per_batch x grad_accum"
+                )
+        if ranks is not None and not ranks.main:
+            logging.getLogger().setLevel(logging.WARNING)  # rank 0 speaks for the learner
+            return _follow(cfg, ranks)
+        return _lead(cfg, ranks)
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def _models(cfg: Config, ranks: Ranks | None) -> tuple[Any, Any, Any]:
+    tokenizer, model, reference = load_models(cfg, ranks.device if ranks is not None else None)
+    if ranks is not None:  # every rank loads the model once, then keeps its shards
+        model = ranks.shard(model)
+        reference = ranks.shard(reference) if reference is not None else None
+    return tokenizer, model, reference
+
+
+def _follow(cfg: Config, ranks: Ranks) -> int:
+    """A rank other than 0: no Redis, no files, no metrics server; it trains, evaluates and gathers with rank 0."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop and tells the others
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open_grader(cfg.grader) as grader:
+        tokenizer, model, reference = _models(cfg, ranks)
+        metrics = LearnerMetrics(CollectorRegistry())
+        return Learner(cfg, None, model, tokenizer, grader, metrics, reference, ranks).run()
+
+
+def _lead(cfg: Config, ranks: Ranks | None) -> int:
     registry = CollectorRegistry()
     metrics = LearnerMetrics(registry)
     transport = Transport(cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc)
@@ -413,7 +502,7 @@ def run_learner(cfg: Config) -> int:
     write_resolved(cfg, Path(cfg.run.dir) / "config.json")
     lc = cfg.learner
     log.info(
-        "loss %s, eps %.2f/%.2f, lr %g, %d groups x %d per step; %s",
+        "loss %s, eps %.2f/%.2f, lr %g, %d groups x %d per step; %s%s",
         lc.loss_type,
         lc.epsilon_low,
         lc.epsilon_high,
@@ -421,6 +510,7 @@ def run_learner(cfg: Config) -> int:
         lc.batch_groups,
         cfg.actor.group_size,
         f"KL penalty beta={lc.beta}" if lc.beta > 0 else "KL penalty off (beta = 0): no reference model is loaded",
+        f"; FSDP2 over {ranks.world} ranks" if ranks is not None else "",
     )
 
     learner: Learner | None = None
@@ -432,9 +522,9 @@ def run_learner(cfg: Config) -> int:
     server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
     register_endpoint(cfg.run.dir, "learner", "learner", server.url)
     try:
-        tokenizer, model, reference = load_models(cfg)
+        tokenizer, model, reference = _models(cfg, ranks)
         metrics.reference_loaded.set(int(reference is not None))
-        learner = Learner(cfg, transport, model, tokenizer, grader, metrics, reference)
+        learner = Learner(cfg, transport, model, tokenizer, grader, metrics, reference, ranks)
         stop = learner.stop
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

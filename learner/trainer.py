@@ -27,6 +27,7 @@ from common.config import Config
 from common.grpo import group_advantages, overlong_penalty
 from common.schemas import GroupMessage
 from learner.batch import Batch, assemble, sampled_reward_stats
+from learner.distributed import Ranks
 from learner.loss import grpo_loss, importance_weights
 from learner.schedule import lr_factor
 
@@ -40,9 +41,13 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model: Any, pad_id: int, reference: Any = None):
+    def __init__(self, cfg: Config, model: Any, pad_id: int, reference: Any = None, ranks: Ranks | None = None):
         self.cfg = cfg
         self.model = model
+        # Under torchrun (learner.distributed): every rank holds the whole batch and trains on its slice of each
+        # micro-batch; the model is FSDP2-sharded by then.
+        self.ranks = ranks
+        self.rank, self.world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
         # The frozen starting policy of the KL penalty: it exists only when beta > 0 (no memory spent otherwise).
         self.reference = reference
         self.pad_id = pad_id
@@ -143,40 +148,47 @@ class Trainer:
             step_tokens = mask[rows].sum()
             self.optimizer.zero_grad(set_to_none=True)
             for micro in rows.tensor_split(lc.grad_accum):
+                mine = self._mine(micro)
                 with self.autocast():
-                    out = self.model(input_ids=batch.input_ids[micro], attention_mask=batch.attention_mask[micro])
+                    out = self.model(input_ids=batch.input_ids[mine], attention_mask=batch.attention_mask[mine])
                 logits = out.logits
                 logp_all = torch.log_softmax(logits[:, :-1].float() / temp, dim=-1)
-                logprobs = logp_all.gather(-1, batch.input_ids[micro, 1:].unsqueeze(-1)).squeeze(-1)
+                logprobs = logp_all.gather(-1, batch.input_ids[mine, 1:].unsqueeze(-1)).squeeze(-1)
                 if first is not None and not first.tokens:
-                    first.add(logp_all.detach(), logprobs.detach(), batch, mask, micro)
+                    first.add(logp_all.detach(), logprobs.detach(), batch, mask, mine)
                 loss, m = grpo_loss(
                     logprobs,
-                    old[micro],
-                    adv[micro],
-                    mask[micro],
+                    old[mine],
+                    adv[mine],
+                    mask[mine],
                     loss_type=lc.loss_type,
                     epsilon_low=lc.epsilon_low,
                     epsilon_high=lc.epsilon_high,
                     beta=lc.beta,
-                    ref_logprobs=None if ref is None else ref[micro],
+                    ref_logprobs=None if ref is None else ref[mine],
                     max_completion_length=self.cfg.sampling.max_new_tokens,
-                    is_weights=None if is_weights is None else is_weights[micro],
+                    is_weights=None if is_weights is None else is_weights[mine],
                     # dapo: the optimizer step's token count, so accumulation gives one big mini-batch's gradient
                     num_tokens=step_tokens,
                 )
                 if lc.loss_type != "dapo":
                     # The other types are means over their micro-batch's rows: weighting each by its share of the
                     # mini-batch's rows makes grpo and dr_grpo equal to one big mini-batch (bnpo's token mean stays
-                    # per micro-batch, as its definition says).
-                    loss = loss * (len(micro) / len(rows))
-                loss.backward()
-                n = float(mask[micro].sum())
+                    # per micro-batch, as its definition says). A rank's slice is weighted by its share of the
+                    # micro-batch the same way: by rows, or by tokens for bnpo.
+                    if lc.loss_type == "bnpo":
+                        share = float(mask[mine].sum()) / max(float(mask[micro].sum()), 1.0)
+                    else:
+                        share = len(mine) / len(micro)
+                    loss = loss * (share * len(micro) / len(rows))
+                # FSDP averages the ranks' gradients; their losses add up to the micro-batch's, so scale back.
+                (loss * self.world if self.world > 1 else loss).backward()
+                n = float(mask[mine].sum())
                 for k, v in m.items():
                     weighted[k] += v * n
                 tokens_seen += n
                 per_update["loss"] += loss.item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip)
+            grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip))
             if not torch.isfinite(grad_norm):
                 # One NaN/inf would poison every weight from here on: skip the update, and say so in the metrics.
                 per_update["updates_skipped_nonfinite"] += 1
@@ -187,6 +199,13 @@ class Trainer:
                 self.optimizer.step()
             self.scheduler.step()
         self.model.eval()
+        if self.ranks is not None:  # the ranks' sums: token-weighted metrics, tokens, the loss's parts
+            keys = sorted(weighted)
+            total = self.ranks.sum([weighted[k] for k in keys] + [tokens_seen, per_update["loss"]])
+            weighted = defaultdict(float, zip(keys, total[: len(keys)], strict=True))
+            tokens_seen, per_update["loss"] = total[-2], total[-1]
+            if first is not None:
+                first.reduce(self.ranks)
         stats = {k: v / max(tokens_seen, 1.0) for k, v in weighted.items()}
         stats |= {k: v / lc.updates_per_batch for k, v in per_update.items() if k != "updates_skipped_nonfinite"}
         stats["updates_skipped_nonfinite"] = per_update["updates_skipped_nonfinite"]
@@ -202,9 +221,10 @@ class Trainer:
         ``seen``, what the policy shows (see :class:`Seen`)."""
         lc = self.cfg.learner
         out = torch.zeros_like(mask)
-        for rows in torch.arange(len(batch.rewards), device=mask.device).tensor_split(
+        for chunk in torch.arange(len(batch.rewards), device=mask.device).tensor_split(
             lc.updates_per_batch * lc.grad_accum
         ):
+            rows = self._mine(chunk)
             with self.autocast():
                 logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits[
                     :, :-1
@@ -214,7 +234,20 @@ class Trainer:
             out[rows] = logprobs * mask[rows]
             if seen is not None:
                 seen.add(logp_all, logprobs, batch, mask, rows)
+        if self.ranks is not None:  # each rank scored its slices (zeros elsewhere): the sum is every row's
+            out = self.ranks.sum_tensor(out)
+            if seen is not None:
+                seen.reduce(self.ranks)
         return out, seen.stats() if seen is not None else {}
+
+    def _mine(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a micro-batch's rows (all of them in one process)."""
+        return rows if self.world == 1 else rows.tensor_split(self.world)[self.rank]
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP's total gradient norm) as the plain tensor every rank agrees on."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 @dataclass
@@ -235,6 +268,11 @@ class Seen:
         fresh = m * (batch.row_staleness[rows] == 0).to(m.dtype).unsqueeze(1)
         self.mismatch += float(((logprobs - batch.behaviour_logprobs[rows]).abs() * fresh).sum())
         self.fresh_tokens += float(fresh.sum())
+
+    def reduce(self, ranks: Ranks) -> None:
+        self.entropy, self.tokens, self.mismatch, self.fresh_tokens = ranks.sum(
+            [self.entropy, self.tokens, self.mismatch, self.fresh_tokens]
+        )
 
     def stats(self) -> dict[str, float]:
         out = {"entropy": self.entropy / max(self.tokens, 1.0)}

@@ -1,0 +1,124 @@
+"""`grpo learner` under torchrun: two ranks, FSDP2 over gloo on the CPU, against a real Redis. On the same groups it
+trains as one process does (the loss of every step and the published weights agree to float tolerance), and a
+checkpoint written by the two ranks resumes in one process."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import RedisConfig
+from common.schemas import Completion, GroupMessage, encode_group
+from common.transport import Transport
+from common.weights import load_state_dict
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+GROUP, BATCH, STEPS = 4, 4, 3
+
+
+def sampled_groups(model_dir: Path, n: int) -> list[bytes]:
+    """Groups the tiny model itself sampled (real behaviour log-probs, lengths that differ), rewards 1, 0, 1, 0."""
+    from common.generation import generate, stop_token_ids
+    from common.models import load_pretrained
+
+    tok, model = load_pretrained(str(model_dir), "float32", "cpu")
+    torch.manual_seed(0)
+    prompts = [tok(f"{i % 10}+{(3 * i) % 10}=").input_ids for i in range(n)]
+    sampled = generate(model, prompts, n=GROUP, max_new_tokens=4, stop_ids=stop_token_ids(model, tok),
+                       pad_id=tok.pad_token_id, temperature=1.0)  # fmt: skip
+    out = []
+    for i, (prompt, samples) in enumerate(zip(prompts, sampled, strict=True)):
+        comps = tuple(
+            Completion(
+                np.array(s.token_ids, np.int32), np.array(s.logprobs, np.float32), float(j % 2 == 0), s.finish_reason
+            )
+            for j, s in enumerate(samples)
+        )
+        out.append(encode_group(GroupMessage(f"p{i}", 0, "test", np.array(prompt, np.int32), comps)))
+    return out
+
+
+def learner_command(world: int) -> list[str]:
+    if world == 1:
+        return [sys.executable, "-m", "common.cli", "learner"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+            "-m", "common.cli", "learner"]  # fmt: skip
+
+
+def train(processes, world: int, url: str, model: Path, root: Path, run: str, steps: int) -> list[dict]:  # type: ignore[no-untyped-def]
+    settings = [
+        f"redis.url={url}", f"model.path={model}", f"run.name={run}", f"run.dir={root / run}", f"run.steps={steps}",
+        f"actor.group_size={GROUP}", f"learner.batch_groups={BATCH}", "learner.updates_per_batch=2",
+        "learner.grad_accum=2", "learner.lr=1e-3", "learner.max_staleness=10", "learner.eval_every=1000",
+        "task.eval_size=5", "checkpoint.every=1", "metrics.port=0",
+    ]  # fmt: skip
+    log = root / f"{run}-{world}-ranks.log"
+    proc = processes.start([*learner_command(world), *[a for o in settings for a in ("-o", o)]], log)
+    assert proc.wait(timeout=300) == 0, log.read_text()[-5000:]
+    return [json.loads(line) for line in (root / run / "metrics.jsonl").read_text().splitlines()]
+
+
+def published(url: str, run: str) -> dict[str, torch.Tensor]:
+    t = Transport(RedisConfig(url=url), run)
+    try:
+        ann = t.latest_weights()
+        assert ann is not None
+        return load_state_dict(ann)[0]
+    finally:
+        t.close()
+
+
+def test_two_ranks_train_as_one_process_and_resume_in_one(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    payloads = sampled_groups(tiny_model_dir, BATCH * STEPS)
+    for run in ("one", "two", "resumed"):
+        t = Transport(RedisConfig(url=redis_url), run)
+        t.ensure_consumer_group()
+        t.produce(payloads)
+        t.close()
+
+    one = train(processes, 1, redis_url, tiny_model_dir, tmp_path, "one", STEPS)
+    two = train(processes, 2, redis_url, tiny_model_dir, tmp_path, "two", STEPS)
+    assert "FSDP2 over 2 ranks" in (tmp_path / "two-2-ranks.log").read_text()
+    losses = [[r["loss"] for r in rows if r["step"] > 0] for rows in (one, two)]
+    assert len(losses[0]) == STEPS and losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
+    for key in ("clip_ratio/region_mean", "entropy", "reward", "completions/mean_length", "grad_norm"):
+        assert [r[key] for r in one[1:]] == pytest.approx([r[key] for r in two[1:]], rel=1e-4, abs=1e-6), key
+    w1, w2 = published(redis_url, "one"), published(redis_url, "two")
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], rtol=1e-4, atol=1e-5, msg=name)
+    start = load_file(str(tiny_model_dir / "model.safetensors"))  # training did move the weights
+    assert any(not torch.allclose(w1[n], start[n], atol=1e-4) for n in start if n in w1)
+
+    # Two ranks for two steps and their checkpoint, then one process for the third step.
+    train(processes, 2, redis_url, tiny_model_dir, tmp_path, "resumed", STEPS - 1)
+    assert (tmp_path / "resumed" / "checkpoints" / f"step-{STEPS - 1:06d}" / "optimizer.safetensors").is_file()
+    rows = train(processes, 1, redis_url, tiny_model_dir, tmp_path, "resumed", STEPS)
+    assert "resumed from" in (tmp_path / "resumed-1-ranks.log").read_text()
+    assert [r["step"] for r in rows] == list(range(STEPS + 1))
+    assert [r["loss"] for r in rows[1:]] == pytest.approx(losses[0], rel=1e-4, abs=1e-6)
+    w3 = published(redis_url, "resumed")
+    for name in w1:
+        torch.testing.assert_close(w3[name], w1[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_micro_batches_too_small_to_split_are_refused_in_one_line(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    log = tmp_path / "learner.log"
+    settings = [
+        f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}",
+        "actor.group_size=2", "learner.batch_groups=2", "learner.updates_per_batch=2", "learner.grad_accum=2",
+    ]  # fmt: skip
+    proc = processes.start([*learner_command(2), *[a for o in settings for a in ("-o", o)]], log)
+    assert proc.wait(timeout=120) != 0
+    assert "learner.batch_groups: micro-batches of 1 completions cannot be split over 2 ranks" in log.read_text()
