@@ -5,6 +5,7 @@ checkpoint written by the two ranks resumes in one process."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -14,8 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from common.config import RedisConfig
+from common.procs import wait_until
 from common.schemas import Completion, GroupMessage, encode_group
-from common.transport import Transport
+from common.transport import Transport, read_balance
 from common.weights import load_state_dict
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -122,3 +124,37 @@ def test_micro_batches_too_small_to_split_are_refused_in_one_line(
     proc = processes.start([*learner_command(2), *[a for o in settings for a in ("-o", o)]], log)
     assert proc.wait(timeout=120) != 0
     assert "learner.batch_groups: micro-batches of 1 completions cannot be split over 2 ranks" in log.read_text()
+
+
+def test_sigterm_to_torchrun_checkpoints_the_last_step_and_loses_nothing(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    """What `docker compose stop` or a pod's deletion does: torchrun passes SIGTERM on, rank 0 finishes its step,
+    every rank joins the final checkpoint, and the groups it covers are acknowledged (torchrun itself exits 1 on a
+    signal, by its own design; the learner's state is what matters)."""
+    settings = [
+        f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", "run.steps=100000",
+        f"actor.group_size={GROUP}", f"learner.batch_groups={BATCH}", "actor.prompts_per_round=4", "metrics.port=0",
+        "task.eval_size=5", "checkpoint.every=1000",
+    ]  # fmt: skip
+    args = [a for o in settings for a in ("-o", o)]
+    processes.grpo("actor", *args, "-o", "actor.id=a1", log=tmp_path / "actor.log")
+    learner = processes.start([*learner_command(2), *args], tmp_path / "learner.log")
+    rows = tmp_path / "run" / "metrics.jsonl"
+    assert wait_until(lambda: rows.exists() and len(rows.read_text().splitlines()) >= 4, 180), (
+        tmp_path / "learner.log"
+    ).read_text()[-3000:]
+    learner.send_signal(signal.SIGTERM)
+    learner.wait(timeout=120)
+    log = (tmp_path / "learner.log").read_text()
+    assert "(asked to stop); checkpoint written" in log, log[-3000:]
+    steps = [json.loads(line)["step"] for line in rows.read_text().splitlines()]
+    newest = max(int(p.name.split("-")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert newest == steps[-1] >= 3  # checkpoint.every=1000: this one was written on the signal
+    t = Transport(RedisConfig(url=redis_url), "default")
+    try:
+        b = read_balance(t)
+        # Groups read for the batch the signal interrupted stay pending: the next learner takes them over.
+        assert b.trained == steps[-1] * BATCH and b.pending < BATCH and b.unexplained == 0
+    finally:
+        t.close()
