@@ -210,12 +210,16 @@ def _tensors(m: mmap.mmap, where: str) -> dict[str, torch.Tensor]:
     try:
         (n,) = struct.unpack_from("<Q", m, 0)
         header = json.loads(m[8 : 8 + n])
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a map")
         start = 8 + n
         out: dict[str, torch.Tensor] = {}
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             dtype, shape, (begin, end) = _DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+            if not all(type(d) is int and d >= 0 for d in shape):
+                raise ValueError(f"tensor {name}: shape {shape!r}")
             numel = math.prod(shape)
             if not 0 <= begin <= end <= len(m) - start or end - begin != numel * dtype.itemsize:
                 raise ValueError(f"tensor {name}: offsets {begin}..{end} do not fit its shape or the file")

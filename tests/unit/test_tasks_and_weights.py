@@ -121,3 +121,26 @@ def test_publish_can_cast_to_the_serving_dtype(tiny_model_dir: Path, tmp_path: P
     for (name, a), (_, b) in zip(other.state_dict().items(), model.state_dict().items(), strict=True):
         assert torch.equal(a, b.to(torch.bfloat16).float()), name
     assert torch.equal(model.state_dict()["lm_head.weight"], model.state_dict()["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"[1, 2]",
+        b'{"w": {"dtype": "F32", "shape": [-1, -4], "data_offsets": [0, 16]}}',
+        b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1600]}}',
+        b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}',
+        b'{"w": {"dtype": "Q7", "shape": [4], "data_offsets": [0, 16]}}',
+        b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0]}}',
+        b"not json",
+    ],
+)
+def test_a_corrupt_safetensors_header_is_a_weights_error(tmp_path: Path, header: bytes) -> None:
+    import struct
+
+    version = tmp_path / "v000001"
+    version.mkdir()
+    (version / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    ann = WeightsAnnouncement(1, str(version), digest(version)[0])  # the digest matches: the header is what is wrong
+    with pytest.raises(WeightsError, match="not a safetensors file"):
+        load_state_dict(ann)
