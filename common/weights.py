@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -52,33 +53,71 @@ def digest(directory: str | os.PathLike[str], algorithm: str = "xxh3-128") -> tu
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{directory}: no *.safetensors files")
-    maps = [_map(f) for f in files]
+    buffers = [_contents(f) for f in files]
+    return _digest(buffers, algorithm), sum(len(b) for b in buffers)
+
+
+# Filesystems where another host can delete a file under this one's feet (NFS, SMB, CephFS, Lustre, FUSE mounts
+# such as object-store adapters): there a memory mapping of a deleted file kills the reader with SIGBUS.
+_NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "lustre", "glusterfs", "9p", "afs", "beegfs", "gpfs")
+
+
+def mount_type(path: str | os.PathLike[str], mounts: str | None = None) -> str:
+    """The filesystem type of the mount holding ``path`` (Linux's /proc/self/mounts; "" where unknown)."""
     try:
-        return _digest(maps, algorithm), sum(len(m) for m in maps)
-    finally:
-        for m in maps:
-            m.close()
+        text = mounts if mounts is not None else Path("/proc/self/mounts").read_text()
+    except OSError:
+        return ""
+    target, best, kind = os.path.realpath(path), -1, ""
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, kind = len(point), fields[2]
+    return kind
 
 
-def _map(path: Path) -> mmap.mmap:
-    """A private, copy-on-write mapping of a whole file: hashing and loading read the page cache in place, with no
-    copy into Python bytes (which cost more than the hash itself). The mapping keeps the file's contents even if the
-    version is pruned or re-published meanwhile (both unlink or rename, the store never writes a file in place)."""
-    with path.open("rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:
+def _mapped(path: Path) -> bool:
+    kind = mount_type(path)
+    return bool(kind) and not (kind in _NETWORK_FS or kind.startswith("fuse"))
+
+
+def _contents(path: Path) -> Any:
+    """A whole file as one buffer, read once: the digest is computed over it and the tensors view it, so what was
+    verified is what is loaded. On a local filesystem a private memory mapping (no copy: the page cache is read in
+    place; the store never writes a file in place, and a version pruned meanwhile keeps its pages while mapped); on
+    a network one, or where the type is unknown, a plain read into memory, which fails cleanly where a mapping of a
+    file another host deleted would end the process."""
+    with path.open("rb", buffering=0) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
             raise WeightsError(f"{path}: empty file")
-        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        if _mapped(path):
+            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        buf: Any = np.empty(size, dtype=np.uint8)  # not zero-filled first: every byte is read into it
+        view, got = memoryview(buf), 0
+        while got < size and (n := fh.readinto(view[got:])):  # type: ignore[attr-defined]
+            got += n
+    if got != size:
+        raise WeightsError(f"{path}: {got} of {size} bytes read (the file changed while being read)")
+    return buf
 
 
-def _digest(maps: list[mmap.mmap], algorithm: str) -> str:
+def _hasher(algorithm: str) -> Any:
     if algorithm == "xxh3-128":
-        h: Any = xxhash.xxh3_128()
-    elif algorithm == "sha256":
-        h = hashlib.sha256()
-    else:
-        raise WeightsError(f"unknown digest {algorithm!r} (this build knows {sorted(DIGEST_HEX_LENGTHS)})")
-    for m in maps:
-        h.update(m)  # both release the GIL over large buffers
+        return xxhash.xxh3_128()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise WeightsError(f"unknown digest {algorithm!r} (this build knows {sorted(DIGEST_HEX_LENGTHS)})")
+
+
+def _digest(buffers: list[Any], algorithm: str) -> str:
+    h = _hasher(algorithm)
+    for b in buffers:
+        h.update(b)  # both release the GIL over large buffers
     return f"{algorithm}:{h.hexdigest()}"
 
 
@@ -179,21 +218,21 @@ def wait_pruned(root: str | os.PathLike[str] | None = None) -> None:
 def load_state_dict(ann: WeightsAnnouncement) -> tuple[dict[str, torch.Tensor], int]:
     """Read a published version, checking its digest. Returns the tensors and the bytes read.
 
-    Each file is mapped once, and the very bytes that were hashed are the ones the tensors view (no copies: loading
-    them into a model is the one copy), so a version pruned or rewritten meanwhile is a WeightsError or the old,
-    verified contents, never a half-verified load."""
+    Each file is read once into one buffer (see _contents), and the very bytes that were hashed are the ones the
+    tensors view (loading them into a model is then the one copy), so a version pruned or rewritten meanwhile is a
+    WeightsError or the old, verified contents, never a half-verified load."""
     directory = Path(ann.uri)
     try:
-        maps = [_map(f) for f in sorted(directory.glob("*.safetensors"))]
+        buffers = [_contents(f) for f in sorted(directory.glob("*.safetensors"))]
     except OSError as e:
         raise WeightsError(f"weights v{ann.version}: {e}") from None
-    if not maps:
+    if not buffers:
         raise WeightsError(f"weights v{ann.version}: {directory} does not exist or holds no weights (pruned?)")
-    _check_digest(ann, _digest(maps, ann.digest_algorithm))
+    _check_digest(ann, _digest(buffers, ann.digest_algorithm))
     state: dict[str, torch.Tensor] = {}
-    for m in maps:
-        state.update(_tensors(m, f"weights v{ann.version}"))
-    return state, sum(len(m) for m in maps)
+    for b in buffers:
+        state.update(_tensors(b, f"weights v{ann.version}"))
+    return state, sum(len(b) for b in buffers)
 
 
 # safetensors' dtype names (https://github.com/huggingface/safetensors: an 8-byte little-endian header length, a
@@ -205,11 +244,11 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def _tensors(m: mmap.mmap, where: str) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file, as views of its mapping."""
+def _tensors(m: Any, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file, as views of its buffer."""
     try:
         (n,) = struct.unpack_from("<Q", m, 0)
-        header = json.loads(m[8 : 8 + n])
+        header = json.loads(bytes(m[8 : 8 + n]))
         if not isinstance(header, dict):
             raise ValueError("the header is not a map")
         start = 8 + n
@@ -218,17 +257,19 @@ def _tensors(m: mmap.mmap, where: str) -> dict[str, torch.Tensor]:
             if name == "__metadata__":
                 continue
             dtype, shape, (begin, end) = _DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
-            if not all(type(d) is int and d >= 0 for d in shape):
+            if not all(type(d) is int and 0 <= d <= len(m) for d in shape):
                 raise ValueError(f"tensor {name}: shape {shape!r}")
             numel = math.prod(shape)
             if not 0 <= begin <= end <= len(m) - start or end - begin != numel * dtype.itemsize:
                 raise ValueError(f"tensor {name}: offsets {begin}..{end} do not fit its shape or the file")
+            if (start + begin) % dtype.itemsize:
+                raise ValueError(f"tensor {name}: offset {start + begin} is not aligned to its {dtype}")
             if numel == 0:
                 out[name] = torch.empty(shape, dtype=dtype)
             else:
                 out[name] = torch.frombuffer(m, dtype=dtype, count=numel, offset=start + begin).view(shape)
         return out
-    except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+    except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError, RuntimeError) as e:
         raise WeightsError(f"{where}: not a safetensors file ({type(e).__name__}: {e})") from None
 
 

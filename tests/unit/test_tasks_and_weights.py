@@ -144,3 +144,42 @@ def test_a_corrupt_safetensors_header_is_a_weights_error(tmp_path: Path, header:
     ann = WeightsAnnouncement(1, str(version), digest(version)[0])  # the digest matches: the header is what is wrong
     with pytest.raises(WeightsError, match="not a safetensors file"):
         load_state_dict(ann)
+
+
+MOUNTS = """overlay / overlay rw 0 0
+server:/export /mnt/shared nfs4 rw 0 0
+/dev/sda1 /mnt/shared/local ext4 rw 0 0
+/dev/sdb1 /mnt/my\\040disk xfs rw 0 0
+gcsfuse /mnt/bucket fuse.gcsfuse rw 0 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [("/mnt/shared/w/v000001", "nfs4"), ("/mnt/shared/local/w", "ext4"), ("/mnt/sharedx", "overlay"),
+     ("/mnt/my disk/w", "xfs"), ("/mnt/bucket/w", "fuse.gcsfuse"), ("/etc", "overlay")],
+)  # fmt: skip
+def test_the_filesystem_under_a_path_decides_between_mapping_and_reading(path: str, kind: str) -> None:
+    from common.weights import mount_type
+
+    assert mount_type(path, MOUNTS) == kind
+
+
+def test_weights_on_a_network_filesystem_are_read_not_mapped(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mmap
+
+    from transformers import AutoModelForCausalLM
+
+    import common.weights as weights
+
+    ann = publish(AutoModelForCausalLM.from_pretrained(tiny_model_dir), None, tmp_path / "w", 1, keep=2).announcement
+    local, _ = load_state_dict(ann)
+    monkeypatch.setattr(weights, "mount_type", lambda path, mounts=None: "nfs4")
+    mapped: list[object] = []
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: mapped.append(a))
+    remote, _ = load_state_dict(ann)
+    assert not mapped and remote.keys() == local.keys()
+    assert all(torch.equal(remote[k], local[k]) for k in local)
+    assert digest(ann.uri)[0] == ann.digest
