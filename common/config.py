@@ -74,9 +74,9 @@ class RedisConfig(_Section):
     @model_validator(mode="after")
     def _url_scheme_and_tls(self) -> RedisConfig:
         tls = [n for n in ("tls_ca_file", "tls_cert_file", "tls_key_file") if getattr(self, n)]
-        if tls and self.url and not self.url.startswith(("rediss://", "rediss+sentinel://")):
+        if tls and self.url and not self.url.lower().startswith(("rediss://", "rediss+sentinel://")):
             raise ValueError(f"{tls[0]} is set but redis.url is not rediss:// or rediss+sentinel:// (TLS)")
-        scheme = self.url.partition("://")[0]
+        scheme = self.url.partition("://")[0].lower()
         if self.url and scheme not in ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel"):
             raise ValueError(f"redis.url: scheme {scheme!r} is not redis, rediss, unix or redis+sentinel")
         return self
@@ -490,10 +490,11 @@ def mask_url(url: str) -> str:
     """``redis://user:secret@host:6379/0`` → ``redis://user:***@host:6379/0`` (also with several hosts, as a
     Sentinel URL has)."""
     parts = urlsplit(url)
+    # redis-py also takes a password from the query string (?password=...)
+    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
     userinfo, at, hosts = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{hosts}"))
+    netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}" if at and ":" in userinfo else parts.netloc
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 # Environment variables read into the tree; the names are documented in the README.

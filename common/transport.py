@@ -142,10 +142,18 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     username, _, password = userinfo.partition(":")
     hosts = []
     for item in hostlist.split(","):
-        host, colon, port = item.rpartition(":") if ":" in item else (item, "", "")
-        if not host or (colon and not port.isdigit()):
+        if item.startswith("["):  # an IPv6 address: [::1]:26379
+            host, _, rest = item[1:].partition("]")
+            colon, port = rest[:1], rest[1:]
+            ok = bool(host) and (rest == "" or (colon == ":" and port.isdigit()))
+        else:
+            host, colon, port = item.rpartition(":") if ":" in item else (item, "", "")
+            ok = bool(host) and (not colon or port.isdigit())
+        if not ok or (port and not 0 < int(port) < 65536):
             raise ValueError(f"sentinel address {item!r} is not host[:port]")
         hosts.append((host, int(port) if port else 26379))
+    if parts.query:
+        raise ValueError(f"options in the URL (?{parts.query}) are not read for Sentinel: use the config's redis.*")
     path = [p for p in parts.path.split("/") if p]
     if not 1 <= len(path) <= 2 or (len(path) == 2 and not path[1].isdigit()):
         raise ValueError("the path must be /<primary name>[/<db>], the name sentinel monitors")
@@ -155,7 +163,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         int(path[1]) if len(path) == 2 else 0,
         unquote(username) or None,
         unquote(password) or None,
-        parts.scheme == "rediss+sentinel",
+        parts.scheme.lower() == "rediss+sentinel",
     )
 
 
@@ -258,14 +266,15 @@ class Transport:
             "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
         }
         pool: redis.ConnectionPool
+        self._sentinel: Sentinel | None = None
         try:
-            if cfg.url.startswith(("redis+sentinel://", "rediss+sentinel://")):
+            if cfg.url.lower().startswith(("redis+sentinel://", "rediss+sentinel://")):
                 s = parse_sentinel_url(cfg.url)
                 ssl = {"ssl": True, **tls} if s.tls else {}
                 # The URL's credentials are the sentinels'; the config's (environment, secret) the primary's,
                 # which default to the URL's when unset.
                 sentinel_auth = {k: v for k, v in (("username", s.username), ("password", s.password)) if v}
-                sentinel = Sentinel(s.hosts, sentinel_kwargs={**timeouts, **sentinel_auth, **ssl})
+                sentinel = self._sentinel = Sentinel(s.hosts, sentinel_kwargs={**timeouts, **sentinel_auth, **ssl})
                 # Asked for the primary on every (re)connection: after a failover, the retry that follows the
                 # lost connection (or the READONLY reply of a demoted primary) reaches the new one.
                 pool = SentinelConnectionPool(s.service, sentinel, db=s.db, **(sentinel_auth | auth), **ssl, **common)
@@ -310,6 +319,8 @@ class Transport:
     def close(self) -> None:
         self.client.close()
         self.client.connection_pool.disconnect()  # a pool passed in is not closed by the client
+        for sentinel in self._sentinel.sentinels if self._sentinel is not None else []:
+            sentinel.close()
 
     # -- groups stream: actors --------------------------------------------------------------------------------
 

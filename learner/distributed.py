@@ -26,6 +26,8 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from common.weights import WeightsError
+
 log = logging.getLogger("learner")
 
 
@@ -83,6 +85,10 @@ class Ranks:
         it is saved as one process saves it. A collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+        if not optimizer.state:
+            # No update yet (every rank steps together, so all agree): torch would initialise the state with a
+            # fake step to gather it, and a resumed AdamW would then start with a step count of 1 and zero moments.
+            return optimizer.state_dict() if self.main else {}
         sd: Any = get_optimizer_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
@@ -105,7 +111,15 @@ class Ranks:
 
         options = StateDictOptions(full_state_dict=True, strict=False)
         tied = tied_keys(model)
-        set_model_state_dict(model, {k: v for k, v in model_state.items() if k not in tied}, options=options)
+        result = set_model_state_dict(model, {k: v for k, v in model_state.items() if k not in tied}, options=options)
+        missing, unexpected = set(result.missing_keys) - tied, set(result.unexpected_keys)
+        if missing or unexpected:
+            raise WeightsError(
+                f"checkpoint does not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+            )
+        if not optim["state"]:  # saved before any update: the hyperparameters alone, as one process loads them
+            optimizer.load_state_dict(optim)
+            return
         names = [name for name, _ in model.named_parameters()]
         by_name: Any = {
             "state": {names[int(i)]: s for i, s in optim["state"].items()},

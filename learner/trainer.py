@@ -140,6 +140,7 @@ class Trainer:
         weighted: dict[str, float] = defaultdict(float)
         per_update: dict[str, float] = defaultdict(float)
         first = Seen() if lc.old_logprobs == "behavior" else None
+        first_taken = False
         tokens_seen = 0.0
         used_lr = self.lr
         order = torch.randperm(len(batch.rewards), generator=self.generator).to(self.device)
@@ -154,8 +155,11 @@ class Trainer:
                 logits = out.logits
                 logp_all = torch.log_softmax(logits[:, :-1].float() / temp, dim=-1)
                 logprobs = logp_all.gather(-1, batch.input_ids[mine, 1:].unsqueeze(-1)).squeeze(-1)
-                if first is not None and not first.tokens:
+                if first is not None and not first_taken and float(mask[micro].sum()) > 0:
+                    # The first micro-batch with tokens, judged on the whole micro-batch so that every rank takes
+                    # its slice of the same one.
                     first.add(logp_all.detach(), logprobs.detach(), batch, mask, mine)
+                    first_taken = True
                 loss, m = grpo_loss(
                     logprobs,
                     old[mine],

@@ -54,8 +54,8 @@ def learner_command(world: int) -> list[str]:
             "-m", "common.cli", "learner"]  # fmt: skip
 
 
-def train(processes, world: int, url: str, model: Path, root: Path, run: str, steps: int) -> list[dict]:  # type: ignore[no-untyped-def]
-    settings = [
+def train(processes, world: int, url: str, model: Path, root: Path, run: str, steps: int, *extra: str) -> list[dict]:  # type: ignore[no-untyped-def]
+    settings = [*extra,
         f"redis.url={url}", f"model.path={model}", f"run.name={run}", f"run.dir={root / run}", f"run.steps={steps}",
         f"actor.group_size={GROUP}", f"learner.batch_groups={BATCH}", "learner.updates_per_batch=2",
         "learner.grad_accum=2", "learner.lr=1e-3", "learner.max_staleness=10", "learner.eval_every=1000",
@@ -77,9 +77,15 @@ def published(url: str, run: str) -> dict[str, torch.Tensor]:
         t.close()
 
 
-def test_two_ranks_train_as_one_process_and_resume_in_one(
-    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
-) -> None:  # type: ignore[no-untyped-def]
+# The defaults (dapo, proximal old log-probs, no KL), and the other paths through the loss: bnpo's per-micro-batch
+# token mean, the engine's log-probs as the denominator, and a KL penalty against a reference model sharded too.
+SETTINGS = [[], ["learner.loss_type=bnpo", "learner.old_logprobs=behavior", "learner.beta=0.05"]]
+
+
+@pytest.mark.parametrize("extra", SETTINGS, ids=["dapo", "bnpo-behavior-kl"])
+def test_two_ranks_train_as_one_process_and_resume_in_one(  # type: ignore[no-untyped-def]
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes, extra: list[str]
+) -> None:
     payloads = sampled_groups(tiny_model_dir, BATCH * STEPS)
     for run in ("one", "two", "resumed"):
         t = Transport(RedisConfig(url=redis_url), run)
@@ -87,12 +93,13 @@ def test_two_ranks_train_as_one_process_and_resume_in_one(
         t.produce(payloads)
         t.close()
 
-    one = train(processes, 1, redis_url, tiny_model_dir, tmp_path, "one", STEPS)
-    two = train(processes, 2, redis_url, tiny_model_dir, tmp_path, "two", STEPS)
+    one = train(processes, 1, redis_url, tiny_model_dir, tmp_path, "one", STEPS, *extra)
+    two = train(processes, 2, redis_url, tiny_model_dir, tmp_path, "two", STEPS, *extra)
     assert "FSDP2 over 2 ranks" in (tmp_path / "two-2-ranks.log").read_text()
     losses = [[r["loss"] for r in rows if r["step"] > 0] for rows in (one, two)]
     assert len(losses[0]) == STEPS and losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
-    for key in ("clip_ratio/region_mean", "entropy", "reward", "completions/mean_length", "grad_norm"):
+    keys = ["clip_ratio/region_mean", "entropy", "reward", "completions/mean_length", "grad_norm"]
+    for key in keys + (["kl"] if extra else []):
         assert [r[key] for r in one[1:]] == pytest.approx([r[key] for r in two[1:]], rel=1e-4, abs=1e-6), key
     w1, w2 = published(redis_url, "one"), published(redis_url, "two")
     assert w1.keys() == w2.keys()
@@ -102,9 +109,9 @@ def test_two_ranks_train_as_one_process_and_resume_in_one(
     assert any(not torch.allclose(w1[n], start[n], atol=1e-4) for n in start if n in w1)
 
     # Two ranks for two steps and their checkpoint, then one process for the third step.
-    train(processes, 2, redis_url, tiny_model_dir, tmp_path, "resumed", STEPS - 1)
+    train(processes, 2, redis_url, tiny_model_dir, tmp_path, "resumed", STEPS - 1, *extra)
     assert (tmp_path / "resumed" / "checkpoints" / f"step-{STEPS - 1:06d}" / "optimizer.safetensors").is_file()
-    rows = train(processes, 1, redis_url, tiny_model_dir, tmp_path, "resumed", STEPS)
+    rows = train(processes, 1, redis_url, tiny_model_dir, tmp_path, "resumed", STEPS, *extra)
     assert "resumed from" in (tmp_path / "resumed-1-ranks.log").read_text()
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
     assert [r["loss"] for r in rows[1:]] == pytest.approx(losses[0], rel=1e-4, abs=1e-6)

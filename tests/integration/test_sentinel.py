@@ -96,9 +96,16 @@ def test_sentinel_urls_parse_and_mask() -> None:
     assert s.hosts == [("s1", 26380), ("s2", 26379), ("10.0.0.3", 5000)]
     assert (s.service, s.db, s.username, s.password, s.tls) == ("my-primary", 2, "user", "p@ss", True)
     assert parse_sentinel_url("redis+sentinel://s1/p").db == 0
-    for bad in ("redis+sentinel://s1:26379", "redis+sentinel://s1/p/x", "redis+sentinel://s1:port/p"):
+    assert parse_sentinel_url("REDIS+SENTINEL://[::1]:26380,[fe80::1]/p").hosts == [("::1", 26380), ("fe80::1", 26379)]
+    bad_urls = [
+        "redis+sentinel://s1:26379", "redis+sentinel://s1/p/x", "redis+sentinel://s1:port/p",
+        "redis+sentinel://s1:70000/p", "redis+sentinel://[::1/p", "redis+sentinel://s1/p?ssl_cert_reqs=none",
+    ]  # fmt: skip
+    for bad in bad_urls:
         with pytest.raises(ValueError):
             parse_sentinel_url(bad)
     assert mask_url("redis+sentinel://u:secret@s1:26379,s2:26379/p") == "redis+sentinel://u:***@s1:26379,s2:26379/p"
+    assert mask_url("redis://h:6379/0?password=secret&db=1") == "redis://h:6379/0?password=***&db=1"
+    assert load_config(overrides=["redis.url=REDIS://h:6379/0"], env={}).redis.url == "REDIS://h:6379/0"
     with pytest.raises(ConfigError, match="scheme 'http'"):
         load_config(overrides=["redis.url=http://localhost:6379"], env={})
