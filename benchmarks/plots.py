@@ -26,23 +26,31 @@ def _save(plt: Any, fig: Any, png: Path) -> bool:
     return True
 
 
-def curves(result: dict[str, Any], png: Path) -> bool:
-    """Demo reward and held-out accuracy against wall-clock: the seeds, and the synchronous run dashed."""
+def _reward_and_accuracy(result: dict[str, Any], png: Path, what: str, runs: list[tuple[dict, str, dict]]) -> bool:
+    """Reward against wall-clock beside held-out accuracy against wall-clock, one line per (run, label, style)."""
     plt = _pyplot()
     if plt is None:
         return False
     fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in result["runs"]:
-        kind = run.get("kind", "demo")
-        style = {"demo": {}, "async": {"color": "black"}, "sync": {"color": "tab:red", "linestyle": "--"}}[kind]
-        label = f"seed {run['seed']}" if kind == "demo" else f"1 actor, {'synchronous' if kind == 'sync' else 'async'}"
+    for run, label, style in runs:
         ax_r.plot(run["seconds"], run["reward"], label=label, linewidth=1, **style)
         ax_a.plot(run["eval_seconds"], run["accuracy"], marker="o", markersize=3, label=label, **style)
     ax_r.axhline(result["target_reward"], color="grey", linewidth=0.5)
-    ax_r.set(xlabel="wall-clock seconds", ylabel="reward (every sampled group)", title="demo: reward")
-    ax_a.set(xlabel="wall-clock seconds", ylabel="greedy held-out accuracy", title="demo: eval/accuracy")
+    ax_r.set(xlabel="wall-clock seconds", ylabel="reward (every sampled completion)", title=f"{what}: reward")
+    ax_a.set(xlabel="wall-clock seconds", ylabel="greedy held-out accuracy", title=f"{what}: eval/accuracy")
     ax_r.legend(fontsize=8)
     return _save(plt, fig, png)
+
+
+def curves(result: dict[str, Any], png: Path) -> bool:
+    """Demo reward and held-out accuracy against wall-clock: the seeds, and the synchronous run dashed."""
+    styles = {"demo": {}, "async": {"color": "black"}, "sync": {"color": "tab:red", "linestyle": "--"}}
+    runs = []
+    for run in result["runs"]:
+        kind = run.get("kind", "demo")
+        label = f"seed {run['seed']}" if kind == "demo" else f"1 actor, {'synchronous' if kind == 'sync' else 'async'}"
+        runs.append((run, label, styles[kind]))
+    return _reward_and_accuracy(result, png, "demo", runs)
 
 
 def overlap(result: dict[str, Any], png: Path) -> bool:
@@ -81,18 +89,13 @@ def scale(result: dict[str, Any], png: Path) -> bool:
 
 def versus_trl(result: dict[str, Any], png: Path) -> bool:
     """B2: reward and held-out accuracy against wall-clock, the project's demo and TRL's GRPOTrainer, each seed."""
-    plt = _pyplot()
-    if plt is None:
-        return False
-    fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
     colors = {"project": "tab:blue", "trl": "tab:orange"}
-    for run in result["runs"]:
-        label = f"{'grpo-pipeline' if run['kind'] == 'project' else 'TRL GRPOTrainer'} seed {run['seed']}"
-        style = {"color": colors[run["kind"]], "alpha": 1.0 if run["seed"] == 0 else 0.5}
-        ax_r.plot(run["seconds"], run["reward"], label=label, linewidth=1, **style)
-        ax_a.plot(run["eval_seconds"], run["accuracy"], marker="o", markersize=3, label=label, **style)
-    ax_r.axhline(result["target_reward"], color="grey", linewidth=0.5)
-    ax_r.set(xlabel="wall-clock seconds", ylabel="reward (every sampled completion)", title="B2: reward")
-    ax_a.set(xlabel="wall-clock seconds", ylabel="greedy held-out accuracy", title="B2: eval/accuracy")
-    ax_r.legend(fontsize=8)
-    return _save(plt, fig, png)
+    runs = [
+        (
+            run,
+            f"{'grpo-pipeline' if run['kind'] == 'project' else 'TRL GRPOTrainer'} seed {run['seed']}",
+            {"color": colors[run["kind"]], "alpha": 1.0 if run["seed"] == 0 else 0.5},
+        )
+        for run in result["runs"]
+    ]
+    return _reward_and_accuracy(result, png, "B2", runs)
