@@ -8,6 +8,7 @@ a SGLang server) returns the same type.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import time
@@ -21,7 +22,8 @@ from common.config import Config
 from common.generation import Sample, generate, pad_token_id, stop_token_ids
 from common.models import load_pretrained
 from common.schemas import WeightsAnnouncement
-from common.weights import load_into, load_state_dict
+from common.weight_sync import Round, close_group, open_group, unflatten
+from common.weights import WeightsError, load_into, load_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +50,15 @@ class Engine(Protocol):
 
 
 class LocalEngine:
+    nccl_ranks = 1  # weights.transport nccl: this process joins the update group itself
+
     def __init__(self, cfg: Config, seed: int):
         self.cfg = cfg
         self.tokenizer, self.model = load_pretrained(cfg.model.path, cfg.model.dtype, cfg.model.device)
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         self.pad_id = pad_token_id(self.tokenizer, self.stop_ids)
         self.version = 0
+        self._group: tuple[str, Any] | None = None
         torch.manual_seed(seed)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
@@ -74,8 +79,42 @@ class LocalEngine:
         self.version = ann.version
         return nbytes
 
+    # weights.transport nccl: the same group and buckets a SGLang server takes (common/weight_sync.py)
+
+    def join_group(self, rnd: Round, rank_offset: int, timeout_s: float) -> None:
+        pg = open_group(address=rnd.address, port=rnd.port, world_size=rnd.world_size, rank=rank_offset,
+                        group_name=rnd.group, backend=rnd.backend, timeout_s=timeout_s)  # fmt: skip
+        self._group = (rnd.group, pg)
+
+    def leave_group(self, group: str) -> None:
+        if self._group is not None and self._group[0] == group:
+            close_group(self._group[1])
+            self._group = None
+
+    def receive(self, rnd: Round, timeout_s: float) -> int:
+        """Every bucket first, then one load: a failed broadcast leaves the model as it was."""
+        import torch.distributed as dist
+
+        if self._group is None or self._group[0] != rnd.group:
+            raise WeightsError(f"not in the update group {rnd.group}")
+        device = self.cfg.model.device if rnd.backend == "nccl" else "cpu"
+        state: dict[str, torch.Tensor] = {}
+        for b in rnd.buckets:
+            flat = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+            work = dist.broadcast(flat, group_src=0, group=self._group[1], async_op=True)
+            try:
+                if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
+                    raise RuntimeError(f"not in {timeout_s:.0f}s")
+            except RuntimeError as e:  # the model is untouched: the version comes from disk instead
+                raise WeightsError(f"a bucket of weights v{rnd.version} did not arrive: {e}") from None
+            state |= unflatten(flat, b)
+        load_into(self.model, state)
+        self.version = rnd.version
+        return sum(b.nbytes for b in rnd.buckets)
+
     def close(self) -> None:
-        pass
+        if self._group is not None:
+            self.leave_group(self._group[0])
 
 
 class SimEngine:

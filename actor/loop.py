@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from actor.engine import Engine, EngineError, make_engine
 from actor.filter import Decision, ZeroStdFilter, filtered_stats
+from actor.nccl import NcclEngine, Receiver, supports_nccl
 from common.config import Config, check_model_path
 from common.generation import Sample
 from common.grpo import overlong_penalty
@@ -68,6 +69,10 @@ class Actor:
         self._warned_long = False
         self._next_heartbeat = 0.0
         self._pubsub: Any = None
+        self._warned_nccl = False
+        self.receiver: Receiver | None = None  # weights.transport nccl, with an engine that takes weights that way
+        if cfg.weights.transport == "nccl" and supports_nccl(engine):
+            self.receiver = Receiver(cfg, actor_id, transport, cast(NcclEngine, engine), metrics, self.stop)
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -79,6 +84,8 @@ class Actor:
                 self.heartbeat()
                 if self.transport.is_done():
                     return "the learner finished the run"
+                if self.receiver is not None:
+                    self.receiver.poll(self.heartbeat)
                 self.reload_weights()
                 if not self.wait_for_room():
                     continue
@@ -94,6 +101,8 @@ class Actor:
             return "asked to stop"
         finally:
             self._pubsub.close()
+            if self.receiver is not None:
+                self.receiver.unregister()
 
     # -- steps --------------------------------------------------------------------------------------------------
 
@@ -104,6 +113,15 @@ class Actor:
         ann = self.transport.latest_weights()
         if ann is None or ann.version == self.engine.version:
             return
+        if ann.format == "nccl":  # sent to the members of the update group only; the others wait for a disk version
+            if self.receiver is None and not self._warned_nccl:
+                self._warned_nccl = True
+                log.warning(
+                    "weights v%d went over NCCL (weights.transport nccl) and this actor's engine cannot take them "
+                    "that way: it loads the versions written to disk (weights.disk_every; warned once)",
+                    ann.version,
+                )
+            return
         t0 = time.perf_counter()
         try:
             nbytes = self.engine.load(ann)
@@ -111,7 +129,7 @@ class Actor:
             log.warning("could not load weights v%d: %s", ann.version, e)
             return
         seconds = time.perf_counter() - t0
-        self.metrics.weight_load_seconds.observe(seconds)
+        self.metrics.weight_load_seconds.labels("disk").observe(seconds)
         self.metrics.policy_version.set(ann.version)
         log.debug("loaded weights v%d (%.1f MB) in %.3fs", ann.version, nbytes / 1e6, seconds)
 
@@ -144,6 +162,8 @@ class Actor:
         t0 = time.perf_counter()
         while not self.stop.is_set() and blocked():
             self.heartbeat()  # waiting is working: the key must not expire
+            if self.receiver is not None and self.receiver.poll(self.heartbeat):
+                break  # new weights: the caller re-checks its conditions
             woken = self._pubsub.get_message(timeout=0.2) is not None
             if (woken and not until_clear) or self.transport.is_done():
                 break
@@ -281,6 +301,8 @@ class Actor:
         self.transport.heartbeat(
             self.id, ttl, {"version": self.engine.version, "groups_sent": self.groups_sent, "rounds": self.rounds}
         )
+        if self.receiver is not None:
+            self.receiver.register()
 
 
 # -- the process ------------------------------------------------------------------------------------------------

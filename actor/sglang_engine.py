@@ -32,6 +32,7 @@ from common.generation import Sample
 from common.procs import die_with_parent, stop_process
 from common.redis_server import free_port
 from common.schemas import WeightsAnnouncement
+from common.weight_sync import Round
 from common.weights import WeightsError, verify
 
 log = logging.getLogger(__name__)
@@ -115,14 +116,23 @@ class SGLangClient:
         self.timeout_s = timeout_s
         self.retries = retries
 
-    def request(self, method: str, path: str, body: Any = None, *, ok_statuses: tuple[int, ...] = ()) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        ok_statuses: tuple[int, ...] = (),
+        timeout_s: float | None = None,
+        retries: int | None = None,
+    ) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        total = self.retries + 1
+        total = (self.retries if retries is None else retries) + 1
         for attempt in range(1, total + 1):
             req = urllib.request.Request(self.url + path, data=data, method=method)
             req.add_header("Content-Type", "application/json")
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                     raw = resp.read()
                     return json.loads(raw) if raw else None
             except urllib.error.HTTPError as e:
@@ -182,6 +192,15 @@ class SGLangEngine:
         log.info(
             "SGLang at %s serves weight_version %r (policy version %d)", self.client.url, self.served, self.version
         )
+        # weights.transport nccl: the server's ranks in the update group are its tensor-parallel workers
+        self.nccl_ranks = self._tp_size() if cfg.weights.transport == "nccl" else 1
+
+    def _tp_size(self) -> int:
+        try:
+            info = self.client.request("GET", "/server_info") or {}
+        except EngineError as e:
+            raise EngineError(f"weights.transport nccl needs the server's tp_size from /server_info: {e}") from None
+        return int(info.get("tp_size") or 1)
 
     def _launch(self) -> str:
         sc = self.cfg.sglang
@@ -224,6 +243,53 @@ class SGLangEngine:
         self.version = ann.version
         self.served = str(ann.version)
         return nbytes
+
+    # -- weights over NCCL (actor/nccl.py, common/weight_sync.py) ----------------------------------------------
+
+    def _control(self, path: str, body: dict[str, Any], timeout_s: float) -> None:
+        """A weight-update call: never retried (each one is a step of a collective), bounded by ``timeout_s``."""
+        reply = self.client.request("POST", path, body, ok_statuses=(400,), timeout_s=timeout_s, retries=0)
+        if not isinstance(reply, dict) or not reply.get("success"):
+            message = reply.get("message") if isinstance(reply, dict) else reply
+            raise EngineError(f"{path}: the SGLang server refused: {message}")
+
+    def join_group(self, rnd: Round, rank_offset: int, timeout_s: float) -> None:
+        body = {"master_address": rnd.address, "master_port": rnd.port, "rank_offset": rank_offset,
+                "world_size": rnd.world_size, "group_name": rnd.group, "backend": rnd.backend}  # fmt: skip
+        self._control("/init_weights_update_group", body, timeout_s)
+
+    def leave_group(self, group: str) -> None:
+        try:
+            self._control("/destroy_weights_update_group", {"group_name": group}, 30.0)
+        except EngineError as e:
+            log.debug("leaving update group %s: %s", group, e)
+
+    def receive(self, rnd: Round, timeout_s: float) -> int:
+        """One weight-update session: each bucket as SGLang's ``flattened_bucket``, the version and a cache flush with
+        the last one. Called between rounds of sampling, so no generation sees half a version. Raises
+        :class:`WeightsError` when the server refused or failed and still answers, :class:`EngineError` when not."""
+        try:
+            self._control("/begin_weight_update", {}, timeout_s)
+            try:
+                for i, b in enumerate(rnd.buckets):
+                    last = i == len(rnd.buckets) - 1
+                    body: dict[str, Any] = {"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes,
+                                            "group_name": rnd.group, "load_format": "flattened_bucket",
+                                            "flush_cache": last, "abort_all_requests": False}  # fmt: skip
+                    if last:
+                        body["weight_version"] = str(rnd.version)
+                    self._control("/update_weights_from_distributed", body, timeout_s)
+            finally:
+                self._control("/end_weight_update", {}, timeout_s)
+        except EngineError as e:
+            # A server that still answers keeps serving (the version comes from disk); one stuck inside the
+            # collective does not come back by itself: the actor exits so that its restart policy replaces both.
+            if not self.client.healthy():
+                raise EngineError(f"the SGLang server stopped answering during weights v{rnd.version}: {e}") from None
+            raise WeightsError(f"weights v{rnd.version} over NCCL: {e}") from None
+        self.version = rnd.version
+        self.served = str(rnd.version)
+        return sum(b.nbytes for b in rnd.buckets)
 
     def close(self) -> None:
         if self.proc is not None:

@@ -383,6 +383,40 @@ class WeightsConfig(_Section):
         description="digest of each published version, checked by actors before loading: xxh3-128 catches torn, "
         "truncated and rewritten files at about 15x sha256's speed; sha256 for a cryptographic digest",
     )
+    transport: Literal["disk", "nccl"] = Field(
+        "disk",
+        description="how versions reach actors: disk = every version written to weights.dir and read by each actor; "
+        "nccl = the learner broadcasts each version straight into its actors' engines (SGLang servers through "
+        "/update_weights_from_distributed, or the local engine), with a fall-back to disk when a broadcast cannot "
+        "happen in time (README: Scale out)",
+    )
+    disk_every: int = Field(
+        10,
+        ge=0,
+        description="weights.transport nccl: also write every this many versions to disk (the first and the last "
+        "always, and any version some live actor cannot take over NCCL); 0 = only those",
+    )
+    nccl_address: str = Field(
+        "",
+        description="weights.transport nccl: the learner's address as its actors' SGLang servers reach it; empty = "
+        "the IP address of the learner's hostname (a container's address on its network; set it where the hostname "
+        "resolves to a loopback address)",
+    )
+    nccl_port: int = Field(
+        0, ge=0, le=65535, description="weights.transport nccl: rendezvous port on the learner; 0 = a free port"
+    )
+    nccl_backend: Literal["nccl", "gloo"] = Field(
+        "nccl", description="weights.transport nccl: torch.distributed backend of the update group (gloo: on CPUs)"
+    )
+    nccl_bucket_mb: float = Field(
+        512.0, gt=0, description="weights.transport nccl: tensors are sent in flattened buckets of about this size"
+    )
+    nccl_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="weights.transport nccl: how long the learner waits for its actors to join and be ready, and for "
+        "each bucket; past it the version goes to disk instead and the group is formed anew next time",
+    )
 
 
 class CheckpointConfig(_Section):

@@ -60,6 +60,23 @@ class LearnerMetrics(RedisMetrics):
         self.publish_bytes = Gauge(
             "grpo_learner_weight_publish_bytes", "size of the last published weights", registry=r
         )
+        self.broadcast_seconds = Histogram(
+            "grpo_learner_weight_broadcast_seconds",
+            "weights.transport nccl: time from a round's start to its last bucket sent",
+            buckets=_FAST,
+            registry=r,
+        )
+        self.broadcast_fallbacks = Counter(
+            "grpo_learner_weight_broadcast_fallbacks",
+            "versions written to disk because a broadcast could not happen (not_ready, join, broadcast)",
+            ["reason"],
+            registry=r,
+        )
+        self.broadcast_superseded = Counter(
+            "grpo_learner_weight_broadcast_superseded",
+            "versions never broadcast because a newer one was published before their turn",
+            registry=r,
+        )
         self.checkpoint_seconds = Histogram(
             "grpo_learner_checkpoint_seconds", "time to write a checkpoint and acknowledge its groups", buckets=_FAST,
             registry=r,
@@ -104,7 +121,11 @@ class ActorMetrics(RedisMetrics):
             "grpo_actor_grader_errors", "answers that crashed or timed out the grader", ["kind"], registry=r
         )
         self.weight_load_seconds = Histogram(
-            "grpo_actor_weight_load_seconds", "time to verify and load new weights", buckets=_FAST, registry=r
+            "grpo_actor_weight_load_seconds",
+            "time to verify and load new weights (transport: disk or nccl)",
+            ["transport"],
+            buckets=_FAST,
+            registry=r,
         )
         self.policy_version = Gauge("grpo_actor_policy_version", "policy version the actor samples with", registry=r)
         self.backpressure_seconds = Counter(

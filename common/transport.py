@@ -184,6 +184,10 @@ class Keys:
         self.stats = self.prefix + "stats"
         self.done = self.prefix + "done"
         self.trained_ids = self.prefix + "trained_ids"
+        self.nccl_members = self.prefix + "nccl:members"
+        self.nccl_round = self.prefix + "nccl:round"
+        self.nccl_ready = self.prefix + "nccl:ready"
+        self.nccl_state = self.prefix + "nccl:state"
 
     def actor(self, actor_id: str) -> str:
         return f"{self.prefix}actors:{actor_id}"
@@ -505,6 +509,65 @@ class Transport:
         ps = self.client.pubsub(ignore_subscribe_messages=True)
         ps.subscribe(self.keys.weights_channel)
         return ps
+
+    # -- weights over NCCL (common.weight_sync) ----------------------------------------------------------------
+
+    def nccl_register(self, member: str, ranks: int) -> None:
+        """An actor whose engine can take weights over NCCL says so (again every heartbeat), with its server's ranks."""
+        body = json.dumps({"ranks": ranks, "at": time.time()})
+        self._do(lambda: self.client.hset(self.keys.nccl_members, member, body))
+
+    def nccl_unregister(self, member: str) -> None:
+        self._do(lambda: self.client.hdel(self.keys.nccl_members, member))
+
+    def nccl_members(self, max_age_s: float) -> dict[str, int]:
+        """Members that registered in the last ``max_age_s`` (by Redis's clock), id -> ranks; older entries (an actor
+        killed before it could unregister) are removed."""
+        now = self.server_time()
+        members: dict[str, int] = {}
+        gone: list[Any] = []
+        for k, v in self._do(lambda: self.client.hgetall(self.keys.nccl_members)).items():
+            try:
+                d = json.loads(v)
+                fresh = now - float(d["at"]) <= max_age_s
+                ranks = int(d["ranks"])
+            except (ValueError, KeyError, TypeError):
+                fresh, ranks = False, 0
+            if fresh:
+                members[as_text(k)] = ranks
+            else:
+                gone.append(k)
+        if gone:
+            self._do(lambda: self.client.hdel(self.keys.nccl_members, *gone))
+        return members
+
+    def nccl_open_round(self, round_json: str, seq: int) -> None:
+        """Start a round: its description, no one ready yet, no decision (members poll for it)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.nccl_ready, self.keys.nccl_state)
+        pipe.set(self.keys.nccl_round, round_json)
+        self._do(pipe.execute)
+
+    def nccl_round(self) -> bytes | None:
+        return cast("bytes | None", self._do(lambda: self.client.get(self.keys.nccl_round)))
+
+    def nccl_ready(self, seq: int, member: str) -> None:
+        self._do(lambda: self.client.hset(self.keys.nccl_ready, member, str(seq)))
+
+    def nccl_ready_members(self, seq: int) -> set[str]:
+        ready = self._do(lambda: self.client.hgetall(self.keys.nccl_ready))
+        return {as_text(k) for k, v in ready.items() if as_text(v) == str(seq)}
+
+    def nccl_decide(self, seq: int, decision: str) -> None:
+        """``go`` (the learner broadcasts now) or ``cancel`` (it does not: the version goes to disk)."""
+        self._do(lambda: self.client.set(self.keys.nccl_state, f"{seq}:{decision}"))
+
+    def nccl_decision(self, seq: int) -> str | None:
+        value = self._do(lambda: self.client.get(self.keys.nccl_state))
+        if value is None:
+            return None
+        at, _, decision = as_text(value).partition(":")
+        return decision if at == str(seq) else "cancel" if at.isdigit() and int(at) > seq else None
 
     # -- run state and counters -------------------------------------------------------------------------------
 

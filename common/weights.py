@@ -24,6 +24,7 @@ import shutil
 import struct
 import time
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,17 @@ def _hasher(algorithm: str) -> Any:
     if algorithm == "sha256":
         return hashlib.sha256()
     raise WeightsError(f"unknown digest {algorithm!r} (this build knows {sorted(DIGEST_HEX_LENGTHS)})")
+
+
+def tensors_digest(tensors: Iterable[torch.Tensor], algorithm: str = "xxh3-128") -> tuple[str, int]:
+    """The digest of the tensors' bytes, one after the other (what weights.transport nccl sends), and their size."""
+    h = _hasher(algorithm)
+    nbytes = 0
+    for t in tensors:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        h.update(raw.numpy())
+        nbytes += raw.numel()
+    return f"{algorithm}:{h.hexdigest()}", nbytes
 
 
 def _digest(buffers: list[Any], algorithm: str) -> str:

@@ -27,13 +27,14 @@ from common.evaluation import score_problems, summarise
 from common.generation import generate, pad_token_id, stop_token_ids
 from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
 from common.models import load_pretrained
-from common.schemas import GroupMessage, SchemaError, decode_group, encode_group
+from common.schemas import GroupMessage, SchemaError, WeightsAnnouncement, decode_group, encode_group
 from common.tasks import PromptEncoder, eval_problems
 from common.transport import StreamEntry, Transport, read_balance
-from common.weights import publish
+from common.weights import publish, tensors_digest
 from grader.pool import GraderPool, open_grader
 from learner import checkpoint
 from learner.alarms import Alarms
+from learner.broadcast import Broadcaster, snapshot
 from learner.checkpoint import Resumable
 from learner.distributed import Ranks
 from learner.trainer import Trainer, disable_dropout
@@ -91,6 +92,9 @@ class Learner:
         self.window_groups: list[str] = []
         self.checkpointed_step = -1
         self._started = time.perf_counter()
+        self.broadcaster: Broadcaster | None = None  # weights.transport nccl, rank 0
+        self._publish_lock = threading.Lock()  # the broadcast thread may write a version to disk too
+        self._announced = -1  # the newest version this learner announced
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -328,26 +332,83 @@ class Learner:
         return None
 
     def publish(self) -> dict[str, float]:
-        """Rank 0 writes and announces the version; under torchrun every rank first helps gather it whole."""
+        """Rank 0 hands the version on and announces it; under torchrun every rank first helps gather it whole.
+        ``weights.transport`` disk: written to ``weights.dir``. nccl: a CPU snapshot goes to the broadcast thread
+        (learner.broadcast), which announces it once its actors have it, or writes it to disk when they could not
+        take it; the first and last versions, every ``weights.disk_every``-th, and any version some live actor
+        cannot take over NCCL are written to disk here."""
         whole = self.ranks.full_model_state(self.model) if self.ranks is not None else None
         if not self.main:
             return {}
         wc = self.cfg.weights
-        pub = publish(
-            self.model,
-            self.tokenizer,
-            wc.dir,
-            self.version,
-            wc.keep,
-            wc.dtype,
-            wc.digest,
-            prune_in_background=True,
-            state_dict=whole,
-        )
-        self.transport.announce_weights(pub.announcement)
+        t0 = time.perf_counter()
+        if wc.transport == "nccl":
+            if self.broadcaster is None:
+                self.broadcaster = Broadcaster(
+                    self.cfg, self.transport, self.metrics, to_disk=self._fall_back, announce_nccl=self._announce_nccl
+                )
+            first, last = self._announced < 0, self.step == self.cfg.run.steps
+            periodic = wc.disk_every > 0 and self.version % wc.disk_every == 0
+            b = self.broadcaster
+            counts = {"weights/nccl_rounds": float(b.rounds_ok), "weights/nccl_fallbacks": float(b.fallbacks)}
+            if not (first or last or periodic or self._actors_without_nccl()):
+                b.submit(self.version, snapshot(self.model, whole, wc.dtype))
+                return {"time/publish_s": time.perf_counter() - t0, **counts}
+            self._write(self.version, whole)
+            return {"time/publish_s": time.perf_counter() - t0, **counts}
+        self._write(self.version, whole)
+        return {"time/publish_s": time.perf_counter() - t0}
+
+    def _write(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
+        """Write ``version`` to ``weights.dir`` and announce it, unless a newer one was announced meanwhile (the
+        broadcast thread falls back late)."""
+        wc = self.cfg.weights
+        with self._publish_lock:
+            if version < self._announced:
+                return
+            pub = publish(
+                self.model,
+                self.tokenizer,
+                wc.dir,
+                version,
+                wc.keep,
+                wc.dtype,
+                wc.digest,
+                prune_in_background=True,
+                state_dict=state,
+            )
+            self.transport.announce_weights(pub.announcement)
+            self._announced = version
         self.metrics.publish_seconds.observe(pub.seconds)
         self.metrics.publish_bytes.set(pub.nbytes)
-        return {"time/publish_s": pub.seconds}
+
+    def _fall_back(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self._write(version, dict(tensors))
+
+    def _announce_nccl(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Announce a version its members received over NCCL (``format: nccl``): actors that hold it skip it; the
+        digest (of the bytes sent) names its contents."""
+        checked, nbytes = tensors_digest((t for _, t in tensors), self.cfg.weights.digest)
+        b = self.broadcaster
+        group = b.group.name if b is not None and b.group is not None else ""
+        uri = f"nccl://{b.address if b is not None else ''}/{group}"
+        with self._publish_lock:
+            if version <= self._announced:
+                return
+            ann = WeightsAnnouncement(version, uri, checked, format="nccl")
+            self.transport.announce_weights(ann)
+            self._announced = version
+        self.metrics.publish_bytes.set(nbytes)
+
+    def _actors_without_nccl(self) -> bool:
+        """Whether a live actor is not a member of the update group (its engine loads from disk only)."""
+        assert self.broadcaster is not None
+        return bool(set(self.transport.live_actors()) - set(self.broadcaster.members()))
+
+    def close(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+            self.broadcaster = None
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -531,6 +592,8 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
         log.info("learner: %d steps, metrics %s, run dir %s", cfg.run.steps, server.url, cfg.run.dir)
         return learner.run()
     finally:
+        if learner is not None:
+            learner.close()
         grader.close()
         server.close()
         transport.close()

@@ -1,6 +1,10 @@
 """A stand-in for a SGLang server, for tests on machines without a GPU: the request and reply shapes of SGLang 0.5.23's
-native API (``/health``, ``/model_info``, ``/generate``, ``/update_weights_from_disk``), served over real HTTP, with a
-real model on the CPU (transformers) so that token ids and log-probs are genuine.
+native API (``/health``, ``/model_info``, ``/server_info``, ``/generate``, ``/update_weights_from_disk``,
+``/get_weights_by_name``, and the update-group calls: ``/init_weights_update_group``, ``/destroy_weights_update_group``,
+``/begin_weight_update``, ``/update_weights_from_distributed``, ``/end_weight_update``), served over real HTTP, with a
+real model on the CPU (transformers) so that token ids and log-probs are genuine, and a real torch.distributed group
+(gloo) for the update group, joined the way SGLang's workers join it (``tcp://`` rendezvous, a store prefixed with the
+group's name, a process group of that name; rank = rank_offset + tp_rank, tp_size 1 here).
 
 Like SGLang it refuses unknown or mistyped ``sampling_params`` with HTTP 400, answers a batch or any ``n > 1`` with a
 prompt-major JSON list, reports ``weight_version``, and answers a failed weight update with ``success: false``.
@@ -41,7 +45,16 @@ class StandIn:
         self.requests: list[tuple[str, Any]] = []  # (path, JSON body) of every POST, in order
         self.fail_next_update = False
         self.cache_flushes = 0
+        self.groups: dict[str, Any] = {}  # update groups by name
+        self.session = False  # between /begin_weight_update and /end_weight_update
         self._lock = threading.Lock()  # one generation or weight update at a time, as the scheduler serialises them
+        self.control = {
+            "/init_weights_update_group": self.init_group,
+            "/destroy_weights_update_group": self.destroy_group,
+            "/begin_weight_update": self.begin,
+            "/end_weight_update": self.end,
+            "/update_weights_from_distributed": self.update_distributed,
+        }
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
         self.thread: threading.Thread | None = None
 
@@ -138,6 +151,103 @@ class StandIn:
                 self.cache_flushes += 1
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
+    # -- the update group (SGLang's weight_updater: init/destroy, begin/end, update_weights_from_distributed) -------
+
+    def init_group(self, body: dict) -> tuple[int, dict]:
+        import datetime
+
+        from torch.distributed import distributed_c10d as c10d
+
+        for key, kind in (("master_address", str), ("master_port", int), ("rank_offset", int), ("world_size", int)):
+            if not isinstance(body.get(key), kind):
+                raise BadRequest(f"{key}: missing or not {kind.__name__}")
+        name, backend = body.get("group_name", "weight_update_group"), body.get("backend", "nccl")
+        if backend == "nccl" and not torch.cuda.is_available():
+            return 400, {"success": False, "message": "Failed to initialize custom process group: no CUDA device."}
+        rank = body["rank_offset"] + 0  # + tp_rank
+        try:
+            timeout = datetime.timedelta(seconds=60)
+            url = f"tcp://{body['master_address']}:{body['master_port']}"
+            store, _, _ = next(c10d.rendezvous(url, rank, body["world_size"], timeout=timeout))
+            store.set_timeout(timeout)
+            store = c10d.PrefixStore(name, store)
+            pg, _ = c10d._new_process_group_helper(
+                body["world_size"], rank, [], c10d.Backend(backend), store, group_name=name, timeout=timeout
+            )
+            c10d._world.pg_group_ranks[pg] = {i: i for i in range(body["world_size"])}
+        except Exception as e:
+            return 400, {"success": False, "message": f"Failed to initialize custom process group: {e}."}
+        self.groups[name] = pg
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_group(self, body: dict) -> tuple[int, dict]:
+        import torch.distributed as dist
+
+        pg = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        if pg is None:
+            return 400, {"success": False, "message": "The group to be destroyed does not exist."}
+        dist.destroy_process_group(pg)
+        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def begin(self, body: dict) -> tuple[int, dict]:
+        if self.session:
+            return 400, {"success": False, "message": "a weight-update session is already open"}
+        self.session = True
+        return 200, {"success": True, "message": "Success"}
+
+    def end(self, body: dict) -> tuple[int, dict]:
+        if not self.session:
+            return 400, {"success": False, "message": "no weight-update session is open"}
+        self.session = False
+        return 200, {"success": True, "message": "Success"}
+
+    def update_distributed(self, body: dict) -> tuple[int, dict]:
+        import torch.distributed as dist
+
+        if not self.session:
+            msg = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            return 400, {"success": False, "message": msg}
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise BadRequest("names, dtypes and shapes are required lists")
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            return 400, {"success": False, "message": f"Group {name} not in {list(self.groups)}"}
+        pg = self.groups[name]
+        specs = [(n, getattr(torch, d), torch.Size(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        with self._lock:  # the writer lock: no generation while weights change
+            weights: dict[str, torch.Tensor] = {}
+            if body.get("load_format") == "flattened_bucket":
+                sizes = [sh.numel() * torch.empty((), dtype=dt).element_size() for _, dt, sh in specs]
+                flat = torch.empty(sum(sizes), dtype=torch.uint8)
+                dist.broadcast(flat, src=0, group=pg)
+                at = 0
+                for (n, dt, sh), size in zip(specs, sizes, strict=True):
+                    weights[n] = flat[at : at + size].view(dt).reshape(sh)
+                    at += size
+            else:
+                for n, dt, sh in specs:
+                    weights[n] = torch.empty(sh, dtype=dt)
+                    dist.broadcast(weights[n], src=0, group=pg)
+            params = self.model.state_dict()
+            unknown = [n for n in weights if n not in params]
+            if unknown:
+                return 400, {"success": False, "message": f"Failed to update parameter online: unknown {unknown}"}
+            self.model.load_state_dict(weights, strict=False)
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+            if body.get("flush_cache", True):
+                self.cache_flushes += 1
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def weights_by_name(self, body: dict) -> tuple[int, Any]:
+        """SGLang's ``/get_weights_by_name``: the parameter's first ``truncate_size`` rows, as nested lists."""
+        param = dict(self.model.named_parameters()).get(str(body.get("name")))
+        if param is None:
+            return 400, {"error": {"message": f"no parameter {body.get('name')!r}"}}
+        with self._lock:
+            return 200, param.detach()[: int(body.get("truncate_size", 100))].float().tolist()
+
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         standin = self
 
@@ -158,6 +268,8 @@ class StandIn:
                     self._reply(200, {})
                 elif self.path == "/model_info":
                     self._reply(200, {"model_path": standin.model_path, "weight_version": standin.weight_version})
+                elif self.path == "/server_info":
+                    self._reply(200, {"model_path": standin.model_path, "tp_size": 1, "dp_size": 1})
                 else:
                     self._reply(404, {"error": self.path})
 
@@ -173,6 +285,10 @@ class StandIn:
                         self._reply(200, standin.generate(body))
                     elif self.path == "/update_weights_from_disk":
                         self._reply(*standin.update_weights(body))
+                    elif self.path == "/get_weights_by_name":
+                        self._reply(*standin.weights_by_name(body))
+                    elif self.path in standin.control:
+                        self._reply(*standin.control[self.path](body))
                     else:
                         self._reply(404, {"error": self.path})
                 except BadRequest as e:

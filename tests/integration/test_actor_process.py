@@ -98,7 +98,7 @@ def test_actor_sends_valid_groups_waits_reloads_and_stops(
 
     metrics_url = json.loads(url)["metrics_url"]
     assert metric(metrics_url, "grpo_actor_policy_version") == 5
-    assert metric(metrics_url, "grpo_actor_weight_load_seconds_count") == 1
+    assert metric(metrics_url, 'grpo_actor_weight_load_seconds_count{transport="disk"}') == 1
     assert (metric(metrics_url, "grpo_actor_backpressure_wait_seconds_total") or 0) > 0
     assert (metric(metrics_url, "grpo_actor_groups_produced_total") or 0) >= len(groups)
 

@@ -165,3 +165,28 @@ def test_sigterm_to_torchrun_checkpoints_the_last_step_and_loses_nothing(
         assert b.trained == steps[-1] * BATCH and b.pending < BATCH and b.unexplained == 0
     finally:
         t.close()
+
+
+def test_rank_zero_sends_weights_over_an_update_group_beside_the_training_group(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    """weights.transport=nccl under torchrun: rank 0 forms the update group with an actor (the local engine joins it
+    itself) while every rank trains in the FSDP group; versions between the first and the last go over it."""
+    steps = 6
+    settings = [
+        f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", f"run.steps={steps}",
+        f"actor.group_size={GROUP}", f"learner.batch_groups={BATCH}", "actor.prompts_per_round=4", "metrics.port=0",
+        "task.eval_size=5", "learner.max_staleness=10", "actor.filter_zero_std=false", "weights.transport=nccl",
+        "weights.nccl_backend=gloo", "weights.nccl_address=127.0.0.1", "weights.disk_every=0", "run.log_level=DEBUG",
+        "weights.nccl_timeout_s=30",
+    ]  # fmt: skip
+    args = [a for o in settings for a in ("-o", o)]
+    actor = processes.grpo("actor", *args, "-o", "actor.id=a1", log=tmp_path / "actor.log")
+    learner = processes.start([*learner_command(2), *args], tmp_path / "learner.log")
+    assert learner.wait(timeout=300) == 0, (tmp_path / "learner.log").read_text()[-5000:]
+    assert actor.wait(timeout=60) == 0, (tmp_path / "actor.log").read_text()[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["weights/nccl_rounds"] >= 1 and rows[-1]["weights/nccl_fallbacks"] == 0, rows[-1]
+    received = [line for line in (tmp_path / "actor.log").read_text().splitlines() if "over NCCL in" in line]
+    assert received, (tmp_path / "actor.log").read_text()[-3000:]
+    assert sorted({p.name for p in (tmp_path / "run" / "weights").glob("v*")}) == ["v000000", f"v{steps:06d}"]

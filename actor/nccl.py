@@ -1,0 +1,134 @@
+"""The actor's side of ``weights.transport: nccl`` (the protocol: common/weight_sync.py).
+
+Between two rounds of sampling (never during one: every completion is sampled with one version) the actor looks for a
+round of the learner that names it, says it is ready, and waits for the learner's decision: ``cancel``, and the
+version will come from disk as usual; ``go``, and it joins the round's update group if that is a new one (leaving the
+one it had) and its engine receives the buckets. Every wait is bounded by ``weights.nccl_timeout_s``. The slowest member
+decides when a version goes out: actors that finish their round first wait for it (at most about one round).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+from common.config import Config
+from common.metrics import ActorMetrics
+from common.schemas import SchemaError
+from common.transport import Transport
+from common.weight_sync import Round
+from common.weights import WeightsError
+
+log = logging.getLogger(__name__)
+
+
+class NcclEngine(Protocol):
+    version: int
+    nccl_ranks: int  # ranks its side of the group takes (a SGLang server's tensor-parallel size)
+
+    def join_group(self, rnd: Round, rank_offset: int, timeout_s: float) -> None: ...
+
+    def leave_group(self, group: str) -> None: ...
+
+    def receive(self, rnd: Round, timeout_s: float) -> int:
+        """Take the round's buckets (the learner is broadcasting them now) as version ``rnd.version``; returns the
+        bytes received. Raises WeightsError when the engine kept its weights and can go on, EngineError when not."""
+        ...
+
+
+def supports_nccl(engine: Any) -> bool:
+    return all(hasattr(engine, a) for a in ("join_group", "leave_group", "receive", "nccl_ranks"))
+
+
+class Receiver:
+    def __init__(
+        self,
+        cfg: Config,
+        member: str,
+        transport: Transport,
+        engine: NcclEngine,
+        metrics: ActorMetrics,
+        stop: threading.Event,
+    ):
+        self.cfg = cfg
+        self.stop = stop  # the actor was asked to stop: no new wait begins
+        self.member = member
+        self.transport = transport
+        self.engine = engine
+        self.metrics = metrics
+        self.group: str | None = None  # the update group this actor's engine is in
+        self.last: tuple[str, int] | None = None  # (group, seq) of the last round handled
+        self.received = 0
+
+    def register(self) -> None:
+        """Called with every heartbeat: the learner forms groups of the actors registered recently."""
+        self.transport.nccl_register(self.member, self.engine.nccl_ranks)
+
+    def unregister(self) -> None:
+        """Best effort, on the way out (Redis or the server may be what failed): an entry left behind ages out."""
+        try:
+            self.transport.nccl_unregister(self.member)
+            if self.group is not None:
+                self.engine.leave_group(self.group)
+        except Exception as e:
+            log.debug("leaving the update group: %s", e)
+        self.group = None
+
+    def poll(self, heartbeat: Any = lambda: None) -> bool:
+        """Take part in the learner's current round if it names this actor and is undecided. Returns True when a
+        version arrived."""
+        if self.stop.is_set():
+            return False
+        raw = self.transport.nccl_round()
+        if raw is None:
+            return False
+        try:
+            rnd = Round.from_json(raw)
+        except (ValueError, TypeError, KeyError) as e:
+            raise SchemaError(f"nccl:round is malformed: {e}") from None
+        key = (rnd.group, rnd.seq)
+        if key == self.last or self.member not in rnd.ranks:
+            return False
+        self.last = key
+        if self.transport.nccl_decision(rnd.seq) is not None:  # decided without us (we came too late): next time
+            return False
+        timeout = self.cfg.weights.nccl_timeout_s
+        t0 = time.perf_counter()
+        self.transport.nccl_ready(rnd.seq, self.member)
+        # Longer than the learner waits for the last member: its decision, cancel included, is what ends the wait.
+        deadline = time.monotonic() + 1.5 * timeout
+        decision = None
+        while decision is None and time.monotonic() < deadline and not self.stop.is_set():
+            heartbeat()
+            time.sleep(0.02)
+            decision = self.transport.nccl_decision(rnd.seq)
+        if decision != "go":
+            log.info("weights v%d: the learner cancelled its broadcast (%s); it comes from disk", rnd.version,
+                     decision or "no decision in time")  # fmt: skip
+            return False
+        if rnd.group != self.group:  # a new group: every member joins it now, the learner too
+            if self.group is not None:
+                self.engine.leave_group(self.group)
+                self.group = None
+            try:
+                self.engine.join_group(rnd, rnd.ranks[self.member], timeout)
+            except Exception as e:  # the learner's join fails too, and it forms a new group next time
+                log.warning("could not join the update group %s: %s", rnd.group, e)
+                return False
+            self.group = rnd.group
+        try:
+            nbytes = self.engine.receive(rnd, timeout)
+        except WeightsError as e:  # (an EngineError, a server that stopped answering, ends the actor)
+            # The group may be broken now: leave it; the learner forms a new one after its own failure.
+            log.warning("%s; it comes from disk", e)
+            self.engine.leave_group(rnd.group)
+            self.group = None
+            return False
+        seconds = time.perf_counter() - t0
+        self.received += 1
+        self.metrics.weight_load_seconds.labels("nccl").observe(seconds)
+        self.metrics.policy_version.set(rnd.version)
+        log.debug("received weights v%d (%.1f MB) over NCCL in %.3fs", rnd.version, nbytes / 1e6, seconds)
+        return True

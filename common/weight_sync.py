@@ -1,0 +1,170 @@
+"""Weights over NCCL (``weights.transport: nccl``): what the learner and its actors agree on.
+
+The learner is rank 0 of an *update group*; the ranks of its actors' SGLang servers follow (a server with tensor
+parallelism TP takes TP consecutive ranks from its ``rank_offset``). The group is SGLang's own protocol: each server
+joins it with ``POST /init_weights_update_group`` (a ``tcp://`` rendezvous on the learner's address, a store prefixed
+with the group's name, then a process group of that name: the same steps on both sides), then every version is sent
+as buckets. A bucket is SGLang's ``flattened_bucket``: the bytes of its tensors, each flattened, concatenated in
+order, broadcast from rank 0 as one uint8 tensor while each server, inside ``/begin_weight_update`` …
+``/end_weight_update``, has asked for it with ``POST /update_weights_from_distributed`` (names, dtypes, shapes).
+
+Learner and actors meet through Redis (``nccl:*`` keys, common.transport): actors that can take weights this way
+register as *members*; for each version the learner writes a :class:`Round` (the group, its ranks and the buckets),
+waits until every member of the round said it is ready, and then either says ``go`` (everyone joins the group if it
+is new, and the learner broadcasts), or says ``cancel`` (someone was not ready in time) and writes the version to
+disk instead. Nobody enters the group's rendezvous or a broadcast before every member is known to be there: a slow
+or dead actor costs a cancelled round, not a collective that cannot complete (only a member that dies between its
+"ready" and the end of the broadcast leaves the others to time out).
+
+Pure pieces (bucket plans, flattening, the round's wire form) are tested on their own; :func:`open_group` is the
+one place that touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, cast
+
+import torch
+
+# dtype names as SGLang reads them (``getattr(torch, name)``)
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            _numel(shape) * torch.empty((), dtype=getattr(torch, d)).element_size()
+            for shape, d in zip(self.shapes, self.dtypes, strict=True)
+        )
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"tensors of dtype {dtype} cannot be sent to SGLang")
+    return name
+
+
+def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
+    """Consecutive tensors grouped into buckets of at most ``bucket_bytes`` (a larger tensor goes alone), in order;
+    a tensor whose offset would not be a multiple of its element size starts a new bucket."""
+    buckets: list[Bucket] = []
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[list[int]] = []
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        # SGLang reads each tensor as a view at its byte offset, which must be a multiple of its element size.
+        if names and (size + nbytes > bucket_bytes or size % t.element_size()):
+            buckets.append(Bucket(names, dtypes, shapes))
+            names, dtypes, shapes, size = [], [], [], 0
+        names.append(name)
+        dtypes.append(dtype_name(t.dtype))
+        shapes.append(list(t.shape))
+        size += nbytes
+    if names:
+        buckets.append(Bucket(names, dtypes, shapes))
+    return buckets
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``tensors`` (each made contiguous), one after the other: SGLang's flattened bucket."""
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, bucket: Bucket) -> dict[str, torch.Tensor]:
+    """The tensors of ``bucket`` read back from its flattened bytes (views into ``flat``)."""
+    out: dict[str, torch.Tensor] = {}
+    at = 0
+    for name, d, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
+        dtype = getattr(torch, d)
+        n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        out[name] = flat[at : at + n].view(dtype).reshape(shape)
+        at += n
+    if at != flat.numel():
+        raise ValueError(f"a bucket of {flat.numel()} bytes holds {at} bytes of tensors")
+    return out
+
+
+@dataclass(frozen=True)
+class Round:
+    """One version on its way: written by the learner to ``nccl:round``, read by every actor."""
+
+    seq: int  # increases with every round of the run's learner
+    version: int
+    group: str  # the update group's name; a new name means a new group that members must join first
+    address: str
+    port: int
+    world_size: int
+    backend: str
+    ranks: dict[str, int]  # member id -> its rank offset (the learner is rank 0)
+    buckets: list[Bucket] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Round:
+        d = json.loads(text)
+        d["buckets"] = [Bucket(**b) for b in d.get("buckets", [])]
+        return cls(**d)
+
+
+def assign_ranks(members: Mapping[str, int]) -> tuple[dict[str, int], int]:
+    """Rank offsets of the members (id -> how many ranks its server has), in id order after the learner's rank 0,
+    and the group's world size."""
+    offsets: dict[str, int] = {}
+    at = 1
+    for member in sorted(members):
+        offsets[member] = at
+        at += max(1, int(members[member]))
+    return offsets, at
+
+
+def open_group(
+    *, address: str, port: int, world_size: int, rank: int, group_name: str, backend: str, timeout_s: float
+) -> Any:
+    """Join the update group as SGLang's servers join it (``init_weights_update_group``): a TCP store (rank 0 hosts
+    it), prefixed with the group's name, a process group of that name. Blocks until all ``world_size`` ranks are in,
+    or raises after ``timeout_s``.
+
+    This uses ``torch.distributed``'s private ``_new_process_group_helper``, as SGLang itself does: a group outside
+    the default one (the learner may run under torchrun with its own), made of processes that never shared one."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # The store a ``tcp://`` rendezvous makes, built here so that rank 0 hosts it even under torchrun (whose
+    # rendezvous hands every rank its agent's store instead); the master waits for all ranks to connect.
+    store: Any = torch.distributed.TCPStore(address, port, world_size, rank == 0, timeout=timeout)
+    store = c10d.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), store, group_name=cast(Any, group_name), timeout=timeout
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def close_group(pg: Any) -> None:
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):  # a broken group may refuse to be destroyed cleanly; it is dropped anyway
+        dist.destroy_process_group(pg)

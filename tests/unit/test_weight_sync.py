@@ -1,0 +1,128 @@
+"""The pure pieces of weights over NCCL (common/weight_sync.py): bucket plans, SGLang's flattened-bucket layout, the
+round's wire form, rank offsets; and the request bodies of the update-group calls against the fields SGLang's own
+request structs declare (read from the installed wheel's source, where it is installed)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from common.weight_sync import Bucket, Round, assign_ranks, flatten, plan_buckets, unflatten
+
+
+def tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a.weight", torch.randn(4, 3, generator=g)),  # 48 bytes
+        ("b.weight", torch.randn(10, generator=g).to(torch.bfloat16)),  # 20 bytes
+        ("c.weight", torch.randn(2, 2, 2, generator=g).to(torch.float16)),  # 16 bytes
+        ("d.steps", torch.arange(5)),  # int64, 40 bytes
+    ]
+
+
+def test_buckets_keep_order_respect_the_size_and_hold_a_larger_tensor_alone() -> None:
+    named = tensors()
+    buckets = plan_buckets(named, 64)
+    assert [b.names for b in buckets] == [["a.weight"], ["b.weight", "c.weight"], ["d.steps"]]
+    assert [b.nbytes for b in buckets] == [48, 36, 40]
+    assert buckets[1].dtypes == ["bfloat16", "float16"] and buckets[1].shapes == [[10], [2, 2, 2]]
+    assert [b.names for b in plan_buckets(named, 1)] == [[n] for n, _ in named]  # each larger than the bound
+    # int64 after 84 bytes would be unaligned (SGLang views each tensor at its offset): it starts a bucket
+    assert [b.names for b in plan_buckets(named, 10**9)] == [["a.weight", "b.weight", "c.weight"], ["d.steps"]]
+    with pytest.raises(ValueError, match="complex64"):
+        plan_buckets([("z", torch.zeros(2, dtype=torch.complex64))], 64)
+
+
+def test_a_flattened_bucket_reads_back_bit_for_bit() -> None:
+    named = tensors()
+    named[0] = ("a.weight", named[0][1].t())  # not contiguous: sent as its contiguous copy
+    for bucket in plan_buckets(named, 64):
+        by_name = dict(named)
+        flat = flatten([by_name[n] for n in bucket.names])
+        assert flat.dtype == torch.uint8 and flat.numel() == bucket.nbytes
+        for name, t in unflatten(flat, bucket).items():
+            assert t.dtype == by_name[name].dtype and torch.equal(t, by_name[name])
+    with pytest.raises(ValueError, match="holds"):
+        unflatten(torch.zeros(7, dtype=torch.uint8), Bucket(["x"], ["float32"], [[1]]))
+
+
+def test_rounds_travel_as_json_and_ranks_follow_the_learner() -> None:
+    offsets, world = assign_ranks({"b": 2, "a": 1, "c": 1})
+    assert offsets == {"a": 1, "b": 2, "c": 4} and world == 5  # the learner is rank 0; b has two TP ranks
+    rnd = Round(3, 7, "grpo-x-1", "10.0.0.1", 29500, world, "nccl", offsets, plan_buckets(tensors(), 64))
+    assert Round.from_json(rnd.to_json()) == rnd
+
+
+def _sglang_file(*parts: str) -> Path:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the sglang wheel is not installed (scripts/venv.sh installs it with the dev extra)")
+    return Path(next(iter(spec.submodule_search_locations)), *parts)
+
+
+def test_flattened_buckets_match_sglangs_own_layout() -> None:
+    """SGLang's FlattenedTensorBucket (sglang/srt/weight_sync/tensor_bucket.py needs only torch), loaded by path."""
+    path = _sglang_file("srt", "weight_sync", "tensor_bucket.py")
+    spec = importlib.util.spec_from_file_location("sglang_tensor_bucket", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    named = dict(tensors())
+    for bucket in plan_buckets(named.items(), 10**9):
+        ours = flatten([named[n] for n in bucket.names])
+        theirs = module.FlattenedTensorBucket(named_tensors=[(n, named[n]) for n in bucket.names])
+        assert torch.equal(theirs.get_flattened_tensor(), ours)
+        received = module.FlattenedTensorBucket.empty(bucket.names, bucket.dtypes, bucket.shapes, "cpu")
+        received.get_flattened_tensor().copy_(ours)
+        for name, t in received.reconstruct_tensors():
+            assert torch.equal(t, named[name])
+
+
+def _fields(source: str, cls: str) -> tuple[set[str], set[str]]:
+    """All fields and the required ones (no default) of a class in SGLang's io_struct.py."""
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    fields = {s.target.id: s.value is None for s in node.body if isinstance(s, ast.AnnAssign)}  # type: ignore[union-attr]
+    return set(fields), {f for f, required in fields.items() if required}
+
+
+def test_update_group_requests_carry_the_fields_sglang_declares() -> None:
+    from actor.sglang_engine import SGLangEngine
+
+    source = _sglang_file("srt", "managers", "io_struct.py").read_text()
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    class Recorder:
+        def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+            sent.append((path, body))
+            return {"success": True, "message": ""}
+
+    engine = SGLangEngine.__new__(SGLangEngine)  # the request bodies only: no server, no tokenizer
+    engine.client = Recorder()  # type: ignore[assignment]
+    rnd = Round(1, 4, "g", "127.0.0.1", 1234, 2, "gloo", {"me": 1}, plan_buckets(tensors(), 64))
+    engine.join_group(rnd, 1, 5.0)
+    engine.receive(rnd, 5.0)
+    engine.leave_group("g")
+    structs = {
+        "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+        "/begin_weight_update": "BeginWeightUpdateReqInput",
+        "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+        "/end_weight_update": "EndWeightUpdateReqInput",
+        "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    }
+    paths = [p for p, _ in sent]
+    assert paths == ["/init_weights_update_group", "/begin_weight_update", *["/update_weights_from_distributed"] * 3,
+                     "/end_weight_update", "/destroy_weights_update_group"]  # fmt: skip
+    for path, body in sent:
+        fields, required = _fields(source, structs[path])
+        assert set(body) <= fields, (path, set(body) - fields)
+        assert required <= set(body), (path, required - set(body))
+    updates = [b for p, b in sent if p == "/update_weights_from_distributed"]
+    assert [b["flush_cache"] for b in updates] == [False, False, True]  # one flush, with the last bucket
+    assert [b.get("weight_version") for b in updates] == [None, None, "4"]
+    assert {b["load_format"] for b in updates} == {"flattened_bucket"} and engine.version == 4
