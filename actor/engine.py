@@ -22,7 +22,7 @@ from common.config import Config
 from common.generation import Sample, generate, pad_token_id, stop_token_ids
 from common.models import load_pretrained
 from common.schemas import WeightsAnnouncement
-from common.weight_sync import Round, close_group, open_group, unflatten
+from common.weight_sync import Round, abort_group, close_group, open_group, unflatten
 from common.weights import WeightsError, load_into, load_state_dict
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,12 @@ class LocalEngine:
     # weights.transport nccl: the same group and buckets a SGLang server takes (common/weight_sync.py)
 
     def join_group(self, rnd: Round, rank_offset: int, timeout_s: float) -> None:
-        pg = open_group(address=rnd.address, port=rnd.port, world_size=rnd.world_size, rank=rank_offset,
-                        group_name=rnd.group, backend=rnd.backend, timeout_s=timeout_s)  # fmt: skip
+        try:
+            pg = open_group(address=rnd.address, port=rnd.port, world_size=rnd.world_size, rank=rank_offset,
+                            group_name=rnd.group, backend=rnd.backend, timeout_s=timeout_s,
+                            collective_timeout_s=max(3600.0, 10 * timeout_s))  # fmt: skip
+        except Exception as e:  # (torch's DistError and friends)
+            raise WeightsError(f"joining update group {rnd.group}: {e}") from None
         self._group = (rnd.group, pg)
 
     def leave_group(self, group: str) -> None:
@@ -106,6 +110,8 @@ class LocalEngine:
                 if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
                     raise RuntimeError(f"not in {timeout_s:.0f}s")
             except RuntimeError as e:  # the model is untouched: the version comes from disk instead
+                abort_group(self._group[1])
+                self._group = None
                 raise WeightsError(f"a bucket of weights v{rnd.version} did not arrive: {e}") from None
             state |= unflatten(flat, b)
         load_into(self.model, state)

@@ -87,6 +87,9 @@ class Actor:
                 if self.receiver is not None:
                     self.receiver.poll(self.heartbeat)
                 self.reload_weights()
+                if self.engine.version < 0:  # a version arrived in part: sample nothing until a whole one is loaded
+                    self._wait(lambda: self.engine.version < 0)
+                    continue
                 if not self.wait_for_room():
                     continue
                 problems = self.next_problems()

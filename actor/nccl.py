@@ -10,8 +10,10 @@ decides when a version goes out: actors that finish their round first wait for i
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
+import uuid
 from typing import Any, Protocol
 
 from common.config import Config
@@ -39,7 +41,9 @@ class NcclEngine(Protocol):
 
 
 def supports_nccl(engine: Any) -> bool:
-    return all(hasattr(engine, a) for a in ("join_group", "leave_group", "receive", "nccl_ranks"))
+    """Whether the engine can join update groups (nccl_ranks 0: it could in general, this one cannot)."""
+    methods = all(hasattr(engine, a) for a in ("join_group", "leave_group", "receive"))
+    return methods and int(getattr(engine, "nccl_ranks", 0)) > 0
 
 
 class Receiver:
@@ -59,12 +63,15 @@ class Receiver:
         self.engine = engine
         self.metrics = metrics
         self.group: str | None = None  # the update group this actor's engine is in
-        self.last: tuple[str, int] | None = None  # (group, seq) of the last round handled
+        self.last: str | None = None  # the id of the last round handled
+        self.nonce = uuid.uuid4().hex[:8]  # this process's: a restarted actor with the same id is a new member
         self.received = 0
 
     def register(self) -> None:
-        """Called with every heartbeat: the learner forms groups of the actors registered recently."""
-        self.transport.nccl_register(self.member, self.engine.nccl_ranks)
+        """Called with every heartbeat, and when the group it is in changes: the learner forms groups of the actors
+        registered recently, and a new one when a member is not in the group it was formed into."""
+        info = {"ranks": self.engine.nccl_ranks, "nonce": self.nonce, "group": self.group}
+        self.transport.nccl_register(self.member, info)
 
     def unregister(self) -> None:
         """Best effort, on the way out (Redis or the server may be what failed): an entry left behind ages out."""
@@ -75,6 +82,24 @@ class Receiver:
         except Exception as e:
             log.debug("leaving the update group: %s", e)
         self.group = None
+
+    def _leave(self) -> None:
+        if self.group is not None:
+            self.engine.leave_group(self.group)
+            self.group = None
+            self.register()
+
+    def _decision(self, rnd: Round, waiting_for: tuple[str, ...], heartbeat: Any) -> str:
+        """Wait for one of the learner's decisions on ``rnd``, longer than the learner itself waits for its members
+        (its decision, cancel included, is what ends the wait)."""
+        deadline = time.monotonic() + 1.5 * self.cfg.weights.nccl_timeout_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            decision = self.transport.nccl_decision(rnd.id)
+            if decision in waiting_for or decision == "cancel":
+                return decision
+            heartbeat()
+            time.sleep(0.02)
+        return "no decision in time"
 
     def poll(self, heartbeat: Any = lambda: None) -> bool:
         """Take part in the learner's current round if it names this actor and is undecided. Returns True when a
@@ -88,43 +113,39 @@ class Receiver:
             rnd = Round.from_json(raw)
         except (ValueError, TypeError, KeyError) as e:
             raise SchemaError(f"nccl:round is malformed: {e}") from None
-        key = (rnd.group, rnd.seq)
-        if key == self.last or self.member not in rnd.ranks:
+        if rnd.id == self.last or self.member not in rnd.ranks:
             return False
-        self.last = key
-        if self.transport.nccl_decision(rnd.seq) is not None:  # decided without us (we came too late): next time
+        self.last = rnd.id
+        if self.transport.nccl_decision(rnd.id) is not None:  # decided without us (we came too late): next time
             return False
         timeout = self.cfg.weights.nccl_timeout_s
         t0 = time.perf_counter()
-        self.transport.nccl_ready(rnd.seq, self.member)
-        # Longer than the learner waits for the last member: its decision, cancel included, is what ends the wait.
-        deadline = time.monotonic() + 1.5 * timeout
-        decision = None
-        while decision is None and time.monotonic() < deadline and not self.stop.is_set():
-            heartbeat()
-            time.sleep(0.02)
-            decision = self.transport.nccl_decision(rnd.seq)
-        if decision != "go":
-            log.info("weights v%d: the learner cancelled its broadcast (%s); it comes from disk", rnd.version,
-                     decision or "no decision in time")  # fmt: skip
-            return False
-        if rnd.group != self.group:  # a new group: every member joins it now, the learner too
-            if self.group is not None:
-                self.engine.leave_group(self.group)
-                self.group = None
+        self.transport.nccl_ready(rnd.id, self.member)
+        decision = self._decision(rnd, ("join", "go"), heartbeat)
+        if decision == "join":  # a new group: every member joins it now, the learner too
+            self._leave()
             try:
+                reachable(rnd.address, rnd.port, min(timeout, 10.0))
                 self.engine.join_group(rnd, rnd.ranks[self.member], timeout)
-            except Exception as e:  # the learner's join fails too, and it forms a new group next time
+            except WeightsError as e:  # the learner's join fails too, and it forms a new group next time
                 log.warning("could not join the update group %s: %s", rnd.group, e)
                 return False
             self.group = rnd.group
+            self.register()
+            decision = self._decision(rnd, ("go",), heartbeat)
+        if decision != "go":
+            log.info("weights v%d: the learner cancelled its broadcast (%s); it comes from disk", rnd.version,
+                     decision)  # fmt: skip
+            return False
+        if rnd.group != self.group:  # not the group we are in (should not happen: the learner forms a new one then)
+            log.warning("weights v%d go to update group %s, this actor is in %s", rnd.version, rnd.group, self.group)
+            return False
         try:
             nbytes = self.engine.receive(rnd, timeout)
         except WeightsError as e:  # (an EngineError, a server that stopped answering, ends the actor)
-            # The group may be broken now: leave it; the learner forms a new one after its own failure.
+            # The group may be broken now: leave it; the learner forms a new one for the next version.
             log.warning("%s; it comes from disk", e)
-            self.engine.leave_group(rnd.group)
-            self.group = None
+            self._leave()
             return False
         seconds = time.perf_counter() - t0
         self.received += 1
@@ -132,3 +153,21 @@ class Receiver:
         self.metrics.policy_version.set(rnd.version)
         log.debug("received weights v%d (%.1f MB) over NCCL in %.3fs", rnd.version, nbytes / 1e6, seconds)
         return True
+
+
+def reachable(address: str, port: int, timeout_s: float) -> None:
+    """The learner's rendezvous accepts connections (it starts listening as it says ``join``): checked before a
+    SGLang server is sent into a rendezvous it could wait in for half an hour. Raises WeightsError naming
+    weights.nccl_address otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=2.0):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise WeightsError(
+                    f"the learner's rendezvous at {address}:{port} cannot be reached ({e}): is weights.nccl_address "
+                    "an address this actor reaches?"
+                ) from None
+            time.sleep(0.1)

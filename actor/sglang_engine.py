@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from actor.engine import EngineError
 from common.config import Config
@@ -193,13 +193,20 @@ class SGLangEngine:
             "SGLang at %s serves weight_version %r (policy version %d)", self.client.url, self.served, self.version
         )
         # weights.transport nccl: the server's ranks in the update group are its tensor-parallel workers
-        self.nccl_ranks = self._tp_size() if cfg.weights.transport == "nccl" else 1
+        self.nccl_ranks = self._update_group_ranks() if cfg.weights.transport == "nccl" else 0
 
-    def _tp_size(self) -> int:
+    def _update_group_ranks(self) -> int:
+        """The server's ranks in an update group (its tp_size), or 0 where SGLang cannot take part: it refuses
+        data-parallel replicas, and pipeline stages would take the same ranks. Such an actor loads from disk."""
         try:
             info = self.client.request("GET", "/server_info") or {}
         except EngineError as e:
             raise EngineError(f"weights.transport nccl needs the server's tp_size from /server_info: {e}") from None
+        dp, pp = int(info.get("dp_size") or 1), int(info.get("pp_size") or 1)
+        if dp > 1 or pp > 1:
+            log.warning("the SGLang server has dp_size %d, pp_size %d: SGLang's update groups need 1 and 1, so this "
+                        "actor loads weights from disk (weights.disk_every)", dp, pp)  # fmt: skip
+            return 0
         return int(info.get("tp_size") or 1)
 
     def _launch(self) -> str:
@@ -253,10 +260,21 @@ class SGLangEngine:
             message = reply.get("message") if isinstance(reply, dict) else reply
             raise EngineError(f"{path}: the SGLang server refused: {message}")
 
+    def _unless_stuck(self, what: str, error: EngineError) -> NoReturn:
+        """A server that still answers after a failed update-group call goes on serving (WeightsError: the version
+        comes from disk); one stuck inside a rendezvous or a collective does not come back by itself (SGLang's group
+        timeout is half an hour): EngineError, and the actor exits so that its restart policy replaces both."""
+        if not self.client.healthy():
+            raise EngineError(f"the SGLang server stopped answering after {what}: {error}") from None
+        raise WeightsError(f"{what}: {error}") from None
+
     def join_group(self, rnd: Round, rank_offset: int, timeout_s: float) -> None:
         body = {"master_address": rnd.address, "master_port": rnd.port, "rank_offset": rank_offset,
                 "world_size": rnd.world_size, "group_name": rnd.group, "backend": rnd.backend}  # fmt: skip
-        self._control("/init_weights_update_group", body, timeout_s)
+        try:
+            self._control("/init_weights_update_group", body, timeout_s)
+        except EngineError as e:
+            self._unless_stuck(f"joining update group {rnd.group}", e)
 
     def leave_group(self, group: str) -> None:
         try:
@@ -268,6 +286,7 @@ class SGLangEngine:
         """One weight-update session: each bucket as SGLang's ``flattened_bucket``, the version and a cache flush with
         the last one. Called between rounds of sampling, so no generation sees half a version. Raises
         :class:`WeightsError` when the server refused or failed and still answers, :class:`EngineError` when not."""
+        updated = False
         try:
             self._control("/begin_weight_update", {}, timeout_s)
             try:
@@ -278,15 +297,15 @@ class SGLangEngine:
                                             "flush_cache": last, "abort_all_requests": False}  # fmt: skip
                     if last:
                         body["weight_version"] = str(rnd.version)
+                    updated = True
                     self._control("/update_weights_from_distributed", body, timeout_s)
             finally:
                 self._control("/end_weight_update", {}, timeout_s)
         except EngineError as e:
-            # A server that still answers keeps serving (the version comes from disk); one stuck inside the
-            # collective does not come back by itself: the actor exits so that its restart policy replaces both.
-            if not self.client.healthy():
-                raise EngineError(f"the SGLang server stopped answering during weights v{rnd.version}: {e}") from None
-            raise WeightsError(f"weights v{rnd.version} over NCCL: {e}") from None
+            if updated:  # SGLang loads each bucket as it comes: the server holds a mix of two versions now
+                self.version = -1
+                log.warning("weights v%d arrived in part: no sampling until a whole version is loaded", rnd.version)
+            self._unless_stuck(f"weights v{rnd.version} over NCCL", e)
         self.version = rnd.version
         self.served = str(rnd.version)
         return sum(b.nbytes for b in rnd.buckets)

@@ -8,7 +8,8 @@ ratios, never absolute-time claims. Results go to ``benchmarks/results/<date>.js
 - B1 overlap (benchmarks/overlap.py): asynchronous vs synchronous pipeline, as a fraction of the ideal speedup.
 - B2 TRL (benchmarks/versus_trl.py): the demo against TRL's GRPOTrainer, completions/s and time to target.
 - B3 transport (benchmarks/transport.py): the project's group path vs raw Redis stream commands.
-- B4 weights (benchmarks/weights.py): publish + load vs raw safetensors save + load.
+- B4 weights (benchmarks/weights.py): publish + load vs raw safetensors save + load; and to K actors
+  (benchmarks/broadcast.py): weights.transport nccl's broadcast vs the disk path.
 - B5 scale (benchmarks/scale.py): groups/s at the learner with K actors vs K x one actor's.
 - curves (benchmarks/curves.py): the demo's reward and accuracy against wall-clock, three seeds, and synchronous.
 
@@ -31,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import broadcast  # noqa: E402
 import curves  # noqa: E402
 import overlap  # noqa: E402
 import plots  # noqa: E402
@@ -44,6 +46,7 @@ BENCHMARKS = {
     "B2": versus_trl.run,
     "B3": transport.run,
     "B4": weights.run,
+    "B4-broadcast": broadcast.run,
     "B5": scale.run,
     "curves": curves.run,
 }
@@ -72,6 +75,10 @@ def lines(name: str, result: dict) -> list[str]:
     elif name == "B4":
         out.append(f"B4 weights {result['parameters'] / 1e6:.0f}M params: {result['ratio']:.2f} x raw  "
                    f"(goal >= {result['goal']})")  # fmt: skip
+    elif name == "B4-broadcast":
+        for c in result["cases"]:
+            out.append(f"B4 weights to {c['receivers']} actors over {result['backend']}: broadcast {c['ratio']:.2f} x "
+                       f"as fast as disk ({c['broadcast_s']:.2f} s vs {c['disk_s']:.2f} s; no goal)")  # fmt: skip
     elif name == "curves":
         for r in result["runs"]:
             out.append(f"curves seed {r['seed']} {r['kind']}: reward {result['target_reward']} after "

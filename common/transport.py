@@ -52,6 +52,12 @@ _SCRIPT_CHUNK = 1000  # ids per script call (Lua's unpack has a stack limit)
 
 # Settling a group (trained, dropped, dead) is one Lua script, atomic like MULTI/EXEC, and idempotent: a command
 # retried after its reply was lost finds the entry already deleted and counts nothing twice, so the equation holds.
+# Remove a hash field only if it still holds the value read: a member that re-registered meanwhile stays.
+_HDEL_IF = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
+
 _SETTLE = """
 redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3))
 local deleted = redis.call('XDEL', KEYS[1], unpack(ARGV, 3))
@@ -295,6 +301,7 @@ class Transport:
         self._unread_script = self.client.register_script(_UNREAD)
         self._dead_script = self.client.register_script(_DEAD_LETTER)
         self._replay_script = self.client.register_script(_REPLAY)
+        self._hdel_if_script = self.client.register_script(_HDEL_IF)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -512,36 +519,37 @@ class Transport:
 
     # -- weights over NCCL (common.weight_sync) ----------------------------------------------------------------
 
-    def nccl_register(self, member: str, ranks: int) -> None:
-        """An actor whose engine can take weights over NCCL says so (again every heartbeat), with its server's ranks."""
-        body = json.dumps({"ranks": ranks, "at": time.time()})
+    def nccl_register(self, member: str, info: dict[str, Any]) -> None:
+        """An actor whose engine can take weights over NCCL says so (again every heartbeat and whenever it joins or
+        leaves a group): ``info`` holds its server's ``ranks``, a ``nonce`` of its process and the ``group`` it is
+        in. Stamped with Redis's clock, so that a machine's skewed clock cannot age it out."""
+        body = json.dumps({**info, "at": self.server_time()})
         self._do(lambda: self.client.hset(self.keys.nccl_members, member, body))
 
     def nccl_unregister(self, member: str) -> None:
         self._do(lambda: self.client.hdel(self.keys.nccl_members, member))
 
-    def nccl_members(self, max_age_s: float) -> dict[str, int]:
-        """Members that registered in the last ``max_age_s`` (by Redis's clock), id -> ranks; older entries (an actor
-        killed before it could unregister) are removed."""
+    def nccl_members(self, max_age_s: float) -> dict[str, dict[str, Any]]:
+        """Members registered in the last ``max_age_s``, id -> what they registered; older entries (an actor killed
+        before it could unregister) are removed, unless re-registered meanwhile."""
         now = self.server_time()
-        members: dict[str, int] = {}
-        gone: list[Any] = []
+        members: dict[str, dict[str, Any]] = {}
         for k, v in self._do(lambda: self.client.hgetall(self.keys.nccl_members)).items():
             try:
                 d = json.loads(v)
-                fresh = now - float(d["at"]) <= max_age_s
-                ranks = int(d["ranks"])
+                fresh = now - float(d["at"]) <= max_age_s and int(d["ranks"]) > 0
             except (ValueError, KeyError, TypeError):
-                fresh, ranks = False, 0
+                fresh = False
             if fresh:
-                members[as_text(k)] = ranks
+                members[as_text(k)] = d
             else:
-                gone.append(k)
-        if gone:
-            self._do(lambda: self.client.hdel(self.keys.nccl_members, *gone))
+                self._hdel_if(self.keys.nccl_members, k, v)
         return members
 
-    def nccl_open_round(self, round_json: str, seq: int) -> None:
+    def _hdel_if(self, key: str, field: Any, value: Any) -> None:
+        self._do(lambda: self._hdel_if_script(keys=[key], args=[field, value]))
+
+    def nccl_open_round(self, round_json: str) -> None:
         """Start a round: its description, no one ready yet, no decision (members poll for it)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(self.keys.nccl_ready, self.keys.nccl_state)
@@ -551,23 +559,36 @@ class Transport:
     def nccl_round(self) -> bytes | None:
         return cast("bytes | None", self._do(lambda: self.client.get(self.keys.nccl_round)))
 
-    def nccl_ready(self, seq: int, member: str) -> None:
-        self._do(lambda: self.client.hset(self.keys.nccl_ready, member, str(seq)))
+    def nccl_ready(self, round_id: str, member: str) -> None:
+        """``round_id``: the learner's session and the round's sequence number, ``<session>:<seq>``."""
+        self._do(lambda: self.client.hset(self.keys.nccl_ready, member, round_id))
 
-    def nccl_ready_members(self, seq: int) -> set[str]:
+    def nccl_ready_members(self, round_id: str) -> set[str]:
         ready = self._do(lambda: self.client.hgetall(self.keys.nccl_ready))
-        return {as_text(k) for k, v in ready.items() if as_text(v) == str(seq)}
+        return {as_text(k) for k, v in ready.items() if as_text(v) == round_id}
 
-    def nccl_decide(self, seq: int, decision: str) -> None:
-        """``go`` (the learner broadcasts now) or ``cancel`` (it does not: the version goes to disk)."""
-        self._do(lambda: self.client.set(self.keys.nccl_state, f"{seq}:{decision}"))
+    def nccl_decide(self, round_id: str, decision: str) -> None:
+        """``join`` (members join the round's new group), ``go`` (the learner broadcasts now) or ``cancel`` (it does
+        not: the version goes to disk)."""
+        self._do(lambda: self.client.set(self.keys.nccl_state, f"{round_id}:{decision}"))
 
-    def nccl_decision(self, seq: int) -> str | None:
-        value = self._do(lambda: self.client.get(self.keys.nccl_state))
+    def nccl_decision(self, round_id: str) -> str | None:
+        """The decision on round ``round_id``; ``cancel`` once the state belongs to any other round (a later one, or
+        another learner's), None while undecided."""
+        value = self._do(lambda: self.client.get(self.keys.nccl_round))
+        state = self._do(lambda: self.client.get(self.keys.nccl_state))
+        if state is not None:
+            at, _, decision = as_text(state).rpartition(":")
+            if at == round_id:
+                return decision
         if value is None:
-            return None
-        at, _, decision = as_text(value).partition(":")
-        return decision if at == str(seq) else "cancel" if at.isdigit() and int(at) > seq else None
+            return "cancel"
+        try:
+            current = json.loads(value)
+            current_id = f"{current['session']}:{current['seq']}"
+        except (ValueError, KeyError, TypeError):
+            return "cancel"
+        return None if current_id == round_id else "cancel"
 
     # -- run state and counters -------------------------------------------------------------------------------
 

@@ -9,12 +9,13 @@ order, broadcast from rank 0 as one uint8 tensor while each server, inside ``/be
 ``/end_weight_update``, has asked for it with ``POST /update_weights_from_distributed`` (names, dtypes, shapes).
 
 Learner and actors meet through Redis (``nccl:*`` keys, common.transport): actors that can take weights this way
-register as *members*; for each version the learner writes a :class:`Round` (the group, its ranks and the buckets),
-waits until every member of the round said it is ready, and then either says ``go`` (everyone joins the group if it
-is new, and the learner broadcasts), or says ``cancel`` (someone was not ready in time) and writes the version to
-disk instead. Nobody enters the group's rendezvous or a broadcast before every member is known to be there: a slow
-or dead actor costs a cancelled round, not a collective that cannot complete (only a member that dies between its
-"ready" and the end of the broadcast leaves the others to time out).
+register as *members* (with the group they are in); for each version the learner writes a :class:`Round` (its
+session and sequence number, the group, its ranks and the buckets) and waits until every member of the round said it
+is ready. Then it says ``cancel`` (someone was not ready in time: the version goes to disk), or, for a new group,
+``join`` (its rendezvous listens; members check they reach it and join; the learner waits until all are connected)
+and then ``go`` (it broadcasts). Nobody enters the group's rendezvous or a broadcast before every member is known to
+be there: a slow or dead actor costs a cancelled round, not a collective that cannot complete (only a member that
+dies between its "ready" and the end of the broadcast leaves the others to time out).
 
 Pure pieces (bucket plans, flattening, the round's wire form) are tested on their own; :func:`open_group` is the
 one place that touches torch.distributed.
@@ -109,15 +110,20 @@ def unflatten(flat: torch.Tensor, bucket: Bucket) -> dict[str, torch.Tensor]:
 class Round:
     """One version on its way: written by the learner to ``nccl:round``, read by every actor."""
 
-    seq: int  # increases with every round of the run's learner
+    session: str  # the learner process's: rounds of another learner (a restarted one) are never mistaken for ours
+    seq: int  # increases with every round of the session
     version: int
-    group: str  # the update group's name; a new name means a new group that members must join first
+    group: str  # the update group's name; a new name means a new group that members join when told to
     address: str
     port: int
     world_size: int
     backend: str
     ranks: dict[str, int]  # member id -> its rank offset (the learner is rank 0)
     buckets: list[Bucket] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return f"{self.session}:{self.seq}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -141,11 +147,22 @@ def assign_ranks(members: Mapping[str, int]) -> tuple[dict[str, int], int]:
 
 
 def open_group(
-    *, address: str, port: int, world_size: int, rank: int, group_name: str, backend: str, timeout_s: float
+    *,
+    address: str,
+    port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float,
+    collective_timeout_s: float | None = None,
 ) -> Any:
     """Join the update group as SGLang's servers join it (``init_weights_update_group``): a TCP store (rank 0 hosts
-    it), prefixed with the group's name, a process group of that name. Blocks until all ``world_size`` ranks are in,
-    or raises after ``timeout_s``.
+    it), prefixed with the group's name, a process group of that name. Rank 0 returns once all ``world_size`` ranks
+    have connected to its store, or raises after ``timeout_s`` (NCCL's communicator itself is only formed by the
+    first collective, so this is the check that everyone is in). ``collective_timeout_s``
+    bounds each collective inside torch; the callers wait less than that themselves (NCCL's watchdog ends a process
+    whose collective outlives it), and abort the group when their own wait runs out.
 
     This uses ``torch.distributed``'s private ``_new_process_group_helper``, as SGLang itself does: a group outside
     the default one (the learner may run under torchrun with its own), made of processes that never shared one."""
@@ -153,14 +170,28 @@ def open_group(
 
     timeout = datetime.timedelta(seconds=timeout_s)
     # The store a ``tcp://`` rendezvous makes, built here so that rank 0 hosts it even under torchrun (whose
-    # rendezvous hands every rank its agent's store instead); the master waits for all ranks to connect.
-    store: Any = torch.distributed.TCPStore(address, port, world_size, rank == 0, timeout=timeout)
-    store = c10d.PrefixStore(group_name, store)
+    # rendezvous hands every rank its agent's store instead); rank 0's waits until every rank has connected.
+    store = torch.distributed.TCPStore(address, port, world_size, rank == 0, timeout=timeout)
+    prefixed = c10d.PrefixStore(group_name, store)
+    collective = datetime.timedelta(seconds=collective_timeout_s or timeout_s)
     pg, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=cast(Any, group_name), timeout=timeout
+        world_size, rank, [], c10d.Backend(backend), prefixed, group_name=cast(Any, group_name), timeout=collective
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def abort_group(pg: Any) -> None:
+    """End a group whose collective did not complete: NCCL's communicators are aborted (a destroy would wait on
+    them), gloo's sockets closed."""
+    from torch.distributed import distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)
+    with contextlib.suppress(Exception):
+        if abort is not None:
+            abort(pg)
+            return
+    close_group(pg)
 
 
 def close_group(pg: Any) -> None:

@@ -1,12 +1,13 @@
 """The learner's side of ``weights.transport: nccl`` (the protocol: common/weight_sync.py).
 
 A :class:`Broadcaster` thread on rank 0 takes each version the learner hands it (a CPU snapshot, so training goes on
-meanwhile) and runs a round: it (re)forms the update group when the members changed or the last round failed, waits
-until every member is ready, says ``go`` and broadcasts the buckets, then announces the version. When anything does
-not happen within ``weights.nccl_timeout_s`` (a member never readies, the group never forms, a bucket never
-completes) it says ``cancel``, writes the version to disk and announces that instead, and drops the group so that
-the next round forms a fresh one. The training loop never waits on any of it: a version published while a round is
-in flight replaces the one waiting for its turn (latest wins; counted as superseded).
+meanwhile) and runs a round: it forms a new update group when the members changed or one is not in the group it was
+formed into, waits until every member is ready, has them join a new group (``join``), says ``go`` and broadcasts the
+buckets, then announces the version. When anything does not happen within ``weights.nccl_timeout_s`` (a member never
+readies, the group never forms, a bucket never completes) or anything else fails, it cancels or abandons the round,
+writes the version to disk and announces that instead, and drops the group so that the next round forms a fresh
+one. The training loop never waits on any of it: a version published while a round is in flight replaces the one
+waiting for its turn (latest wins; counted as superseded).
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from common.config import Config
 from common.metrics import LearnerMetrics
 from common.redis_server import free_port
 from common.transport import Transport
-from common.weight_sync import Bucket, Round, assign_ranks, close_group, flatten, open_group, plan_buckets
+from common.weight_sync import (
+    Bucket,
+    Round,
+    abort_group,
+    assign_ranks,
+    close_group,
+    flatten,
+    open_group,
+    plan_buckets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +84,37 @@ def snapshot(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, dtyp
     return out
 
 
+def send_buckets(
+    pg: Any, buckets: list[Bucket], tensors: Tensors, timeout_s: float, backend: str, device: str = "cuda"
+) -> None:
+    """Broadcast each bucket from rank 0, flattened (on ``device``, this rank's GPU, for nccl); raises when one does
+    not complete within ``timeout_s``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    by_name = dict(tensors)
+    for bucket in buckets:
+        flat = flatten([by_name[n] for n in bucket.names])
+        if backend == "nccl":
+            flat = flat.to(device, non_blocking=True)
+        work = dist.broadcast(flat, group_src=0, group=pg, async_op=True)
+        if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
+            raise TimeoutError(f"a bucket of {flat.numel()} bytes did not go out in {timeout_s:.0f}s")
+
+
 @dataclass
 class _Group:
     name: str
-    members: dict[str, int]
+    members: dict[str, tuple[int, str]]  # member -> (ranks, process nonce) it was formed with
     ranks: dict[str, int]
     world_size: int
     port: int
     pg: Any = None
+
+
+def _identity(members: dict[str, dict[str, Any]]) -> dict[str, tuple[int, str]]:
+    return {m: (int(d.get("ranks", 1)), str(d.get("nonce", ""))) for m, d in members.items()}
 
 
 class Broadcaster:
@@ -93,19 +126,24 @@ class Broadcaster:
         *,
         to_disk: Callable[[int, Tensors], None],
         announce_nccl: Callable[[int, Tensors], None],
+        announced: Callable[[], int] = lambda: -1,
+        device: str = "cpu",
     ):
         """``to_disk(version, tensors)`` writes and announces a version (the fall-back); ``announce_nccl(version,
-        tensors)`` announces one its members received."""
+        tensors)`` announces one its members received; ``announced()`` is the newest version announced (a round
+        for an older one is skipped); ``device``: the learner's, where nccl buckets are staged."""
         self.cfg = cfg
         self.wc = cfg.weights
         self.transport = transport
         self.metrics = metrics
         self.to_disk = to_disk
         self.announce_nccl = announce_nccl
+        self.announced = announced
+        self.device = device
         self.address = learner_address(self.wc.nccl_address)
         self.group: _Group | None = None
         self.generation = 0
-        self.session = uuid.uuid4().hex[:8]  # group names of this learner never match an earlier one's
+        self.session = uuid.uuid4().hex[:8]  # this learner's rounds and groups are never taken for an earlier one's
         self.seq = 0
         self.rounds_ok = 0
         self.fallbacks = 0
@@ -118,7 +156,7 @@ class Broadcaster:
 
     # -- the training loop's side -------------------------------------------------------------------------------
 
-    def members(self) -> dict[str, int]:
+    def members(self) -> dict[str, dict[str, Any]]:
         return self.transport.nccl_members(self.cfg.actor.heartbeat_ttl_s)
 
     def submit(self, version: int, tensors: Tensors) -> None:
@@ -141,17 +179,23 @@ class Broadcaster:
         return True
 
     def close(self) -> None:
-        """Drop what waits, let a running round end (each of its waits is bounded), leave the group."""
+        """Drop what waits, cancel a round still waiting for its members, let a broadcast end (each of its waits is
+        bounded), leave the group. A thread that does not end in time is left behind (a daemon)."""
         with self._cv:
             self._closing = True
             self._pending = None
             self._cv.notify_all()
-        self._thread.join()
+        self._thread.join(timeout=2 * self.wc.nccl_timeout_s + 30)
+        if self._thread.is_alive():
+            log.warning("the weights broadcast thread did not stop; leaving it")
+            return
         self._close_group()
 
     # -- the thread ---------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.wc.nccl_backend == "nccl" and self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))  # a new thread starts on cuda:0
         while True:
             with self._cv:
                 while self._pending is None and not self._closing:
@@ -164,27 +208,31 @@ class Broadcaster:
                 self._busy = True
             try:
                 self._publish(version, tensors)
-            except Exception:  # the thread must outlive anything a round throws: the next version tries again
-                log.exception("weights v%d: the broadcast thread failed", version)
             finally:
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
 
     def _publish(self, version: int, tensors: Tensors) -> None:
+        if version <= self.announced():  # a newer version went to disk meanwhile: this one would be a step back
+            log.info("weights v%d not broadcast: a newer version was announced", version)
+            return
         t0 = time.perf_counter()
         try:
             self._round(version, tensors)
-        except RoundFailed as e:
-            if e.reason == "closing":  # the learner is stopping; its next start publishes to disk first
+        except Exception as e:  # whatever failed (a member, the network, Redis), the version must still go out
+            reason = e.reason if isinstance(e, RoundFailed) else "error"
+            self._close_group(abort=reason in ("broadcast", "error"))
+            if reason == "closing":  # the learner is stopping; its next start publishes to disk first
                 log.info("weights v%d: broadcast abandoned, the learner is stopping", version)
-                self._close_group()
                 return
             self.fallbacks += 1
-            self.metrics.broadcast_fallbacks.labels(e.reason).inc()
+            self.metrics.broadcast_fallbacks.labels(reason).inc()
             log.warning("weights v%d go to disk: %s", version, e)
-            self._close_group()
-            self.to_disk(version, tensors)
+            try:
+                self.to_disk(version, tensors)
+            except Exception:
+                log.exception("weights v%d: writing them to disk failed too", version)
             return
         seconds = time.perf_counter() - t0
         self.rounds_ok += 1
@@ -198,66 +246,61 @@ class Broadcaster:
         if not members:
             raise RoundFailed("no_members", "no actor takes weights over NCCL")
         timeout = self.wc.nccl_timeout_s
-        fresh = self.group is None or self.group.members != members
+        group = self.group
+        # A new group when the members changed (or one restarted: a new nonce), or when one of them is not in the
+        # group it was formed into (it left after a failure it saw and the learner did not).
+        fresh = (
+            group is None
+            or group.members != _identity(members)
+            or any(d.get("group") != group.name for d in members.values())
+        )
         if fresh:
             self._close_group()
             self.generation += 1
-            ranks, world = assign_ranks(members)
+            ranks, world = assign_ranks({m: r for m, (r, _) in _identity(members).items()})
             port = self.wc.nccl_port or free_port()
             name = f"grpo-{self.cfg.run.name}-{self.session}-{self.generation}"
-            self.group = _Group(name, dict(members), ranks, world, port)
-        group = self.group
+            group = self.group = _Group(name, _identity(members), ranks, world, port)
         assert group is not None
         buckets = plan_buckets(tensors, int(self.wc.nccl_bucket_mb * 2**20))
         self.seq += 1
-        seq = self.seq
-        rnd = Round(seq, version, group.name, self.address, group.port, group.world_size, self.wc.nccl_backend,
-                    group.ranks, buckets)  # fmt: skip
-        self.transport.nccl_open_round(rnd.to_json(), seq)
+        rnd = Round(self.session, self.seq, version, group.name, self.address, group.port, group.world_size,
+                    self.wc.nccl_backend, group.ranks, buckets)  # fmt: skip
+        self.transport.nccl_open_round(rnd.to_json())
         # Nobody enters the group's rendezvous or a broadcast until every member said it is ready: a member that is
         # slow or gone cancels the round before anyone is inside a collective that could not complete.
         deadline = time.monotonic() + timeout
         while True:
-            missing = set(group.ranks) - self.transport.nccl_ready_members(seq)
+            missing = set(group.ranks) - self.transport.nccl_ready_members(rnd.id)
             if not missing:
                 break
             if self._closing:
-                self.transport.nccl_decide(seq, "cancel")
+                self.transport.nccl_decide(rnd.id, "cancel")
                 raise RoundFailed("closing", "the learner is stopping")
             if time.monotonic() > deadline:
-                self.transport.nccl_decide(seq, "cancel")
+                self.transport.nccl_decide(rnd.id, "cancel")
                 raise RoundFailed("not_ready", f"{sorted(missing)} not ready after {timeout:.0f}s")
             time.sleep(0.02)
-        self.transport.nccl_decide(seq, "go")
         if fresh:
+            # Members join now; rank 0's store waits until all of them are connected, and only then does anyone
+            # go on to a collective (NCCL forms its communicator there, and SGLang would wait in it for long).
+            self.transport.nccl_decide(rnd.id, "join")
             try:
                 group.pg = open_group(
                     address=self.address, port=group.port, world_size=group.world_size, rank=0,
                     group_name=group.name, backend=self.wc.nccl_backend, timeout_s=timeout,
+                    collective_timeout_s=max(3600.0, 10 * timeout),
                 )  # fmt: skip
             except Exception as e:
+                self.transport.nccl_decide(rnd.id, "cancel")
                 raise RoundFailed("join", f"the update group {group.name} did not form: {e}") from None
+        self.transport.nccl_decide(rnd.id, "go")
         try:
-            self._send(group.pg, buckets, tensors, timeout)
+            send_buckets(group.pg, buckets, tensors, timeout, self.wc.nccl_backend, self.device)
         except Exception as e:
             raise RoundFailed("broadcast", f"broadcast to {group.name} failed: {e}") from None
 
-    def _send(self, pg: Any, buckets: list[Bucket], tensors: Tensors, timeout_s: float) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
-        by_name = dict(tensors)
-        device = torch.device("cuda", torch.cuda.current_device()) if self.wc.nccl_backend == "nccl" else None
-        for bucket in buckets:
-            flat = flatten([by_name[n] for n in bucket.names])
-            if device is not None:
-                flat = flat.to(device, non_blocking=True)
-            work = dist.broadcast(flat, group_src=0, group=pg, async_op=True)
-            if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
-                raise TimeoutError(f"a bucket of {flat.numel()} bytes did not go out in {timeout_s:.0f}s")
-
-    def _close_group(self) -> None:
+    def _close_group(self, abort: bool = False) -> None:
         if self.group is not None and self.group.pg is not None:
-            close_group(self.group.pg)
+            (abort_group if abort else close_group)(self.group.pg)
         self.group = None

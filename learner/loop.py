@@ -344,9 +344,11 @@ class Learner:
         t0 = time.perf_counter()
         if wc.transport == "nccl":
             if self.broadcaster is None:
+                device = str(self.ranks.device) if self.ranks is not None else self.cfg.model.device
                 self.broadcaster = Broadcaster(
-                    self.cfg, self.transport, self.metrics, to_disk=self._fall_back, announce_nccl=self._announce_nccl
-                )
+                    self.cfg, self.transport, self.metrics, to_disk=self._fall_back,
+                    announce_nccl=self._announce_nccl, announced=lambda: self._announced, device=device,
+                )  # fmt: skip
             first, last = self._announced < 0, self.step == self.cfg.run.steps
             periodic = wc.disk_every > 0 and self.version % wc.disk_every == 0
             b = self.broadcaster
@@ -361,22 +363,25 @@ class Learner:
 
     def _write(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
         """Write ``version`` to ``weights.dir`` and announce it, unless a newer one was announced meanwhile (the
-        broadcast thread falls back late)."""
+        broadcast thread falls back late). The lock covers the check and the announcement, not the write: the
+        training loop never waits for the thread's write."""
         wc = self.cfg.weights
+        if version < self._announced:
+            return
+        pub = publish(
+            self.model,
+            self.tokenizer,
+            wc.dir,
+            version,
+            wc.keep,
+            wc.dtype,
+            wc.digest,
+            prune_in_background=True,
+            state_dict=state,
+        )
         with self._publish_lock:
             if version < self._announced:
                 return
-            pub = publish(
-                self.model,
-                self.tokenizer,
-                wc.dir,
-                version,
-                wc.keep,
-                wc.dtype,
-                wc.digest,
-                prune_in_background=True,
-                state_dict=state,
-            )
             self.transport.announce_weights(pub.announcement)
             self._announced = version
         self.metrics.publish_seconds.observe(pub.seconds)

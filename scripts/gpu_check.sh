@@ -31,3 +31,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
   --prompt-len 128 --completion-len 512 --grad-accum 2
 "$PYTHON" benchmarks/learner_throughput.py --preset 0.5b --dtype bfloat16 --steps 3 --groups 8 --group-size 8 \
   --prompt-len 256 --completion-len 2048 --grad-accum 4
+# With two GPUs or more: weights.transport nccl's broadcast from the learner (cuda:0) to actors on the other GPUs,
+# against the disk path (one GPU cannot hold two ranks of a NCCL group), and the learner under torchrun.
+if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  "$PYTHON" benchmarks/broadcast.py --backend nccl
+fi

@@ -35,6 +35,16 @@ def test_b3_and_b4_measure_both_paths_in_one_run(script: str) -> None:
         assert case["ratio"] > 0 and case["goal"] == 0.5
 
 
+def test_b4_broadcast_measures_the_disk_and_nccl_paths_to_several_actors() -> None:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "broadcast.py"), "--quick"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [c["receivers"] for c in report["cases"]] == [1, 2] and report["backend"] == "gloo"
+    for case in report["cases"]:
+        assert case["disk_s"] > 0 and case["broadcast_s"] > 0 and case["ratio"] > 0
+
+
 def test_b1_runs_the_pipeline_synchronously_and_asynchronously() -> None:
     cmd = [sys.executable, str(REPO / "benchmarks" / "overlap.py"), "--ratios", "1", "--steps", "5"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -125,7 +125,7 @@ def test_versions_reach_every_member_the_group_follows_members_and_a_laggard_sen
         # A member that never becomes ready (registered, then silent): the round is cancelled after the timeout,
         # before anyone entered the new group's rendezvous; the version goes to disk, and the actors that were ready
         # go back to sampling.
-        t.nccl_register("ghost", 1)
+        t.nccl_register("ghost", {"ranks": 1, "nonce": "x", "group": None})
         v3 = new_version(3)
         b.submit(3, v3)
         assert wait_until(lambda: rec.disk == [3], 60), logs()

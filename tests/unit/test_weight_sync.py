@@ -54,7 +54,8 @@ def test_a_flattened_bucket_reads_back_bit_for_bit() -> None:
 def test_rounds_travel_as_json_and_ranks_follow_the_learner() -> None:
     offsets, world = assign_ranks({"b": 2, "a": 1, "c": 1})
     assert offsets == {"a": 1, "b": 2, "c": 4} and world == 5  # the learner is rank 0; b has two TP ranks
-    rnd = Round(3, 7, "grpo-x-1", "10.0.0.1", 29500, world, "nccl", offsets, plan_buckets(tensors(), 64))
+    rnd = Round("s1", 3, 7, "grpo-x-1", "10.0.0.1", 29500, world, "nccl", offsets, plan_buckets(tensors(), 64))
+    assert rnd.id == "s1:3"
     assert Round.from_json(rnd.to_json()) == rnd
 
 
@@ -104,7 +105,7 @@ def test_update_group_requests_carry_the_fields_sglang_declares() -> None:
 
     engine = SGLangEngine.__new__(SGLangEngine)  # the request bodies only: no server, no tokenizer
     engine.client = Recorder()  # type: ignore[assignment]
-    rnd = Round(1, 4, "g", "127.0.0.1", 1234, 2, "gloo", {"me": 1}, plan_buckets(tensors(), 64))
+    rnd = Round("s", 1, 4, "g", "127.0.0.1", 1234, 2, "gloo", {"me": 1}, plan_buckets(tensors(), 64))
     engine.join_group(rnd, 1, 5.0)
     engine.receive(rnd, 5.0)
     engine.leave_group("g")
