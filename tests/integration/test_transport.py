@@ -26,11 +26,19 @@ def test_keys_live_under_the_run_hash_tag(redis_url: str) -> None:
     t.heartbeat("a1", 5, {})
     t.announce_weights(WeightsAnnouncement(1, "/w/v1", "xxh3-128:" + "a" * 32))
     t.mark_done()
+    t.nccl_register("a1", {"ranks": 1})
+    t.nccl_open_round('{"session": "s", "seq": 1}')
+    t.nccl_ready("s:1", "a1")
+    t.nccl_decide("s:1", "go")
     keys = sorted(k.decode() for k in t.client.keys("*"))
     assert keys == [
         "grpo:{my-run}:actors:a1",
         "grpo:{my-run}:done",
         "grpo:{my-run}:groups",
+        "grpo:{my-run}:nccl:members",
+        "grpo:{my-run}:nccl:ready",
+        "grpo:{my-run}:nccl:round",
+        "grpo:{my-run}:nccl:state",
         "grpo:{my-run}:prompts:cursor",
         "grpo:{my-run}:stats",
         "grpo:{my-run}:weights:latest",
@@ -105,6 +113,36 @@ def test_weights_announcement_hash_and_pubsub(redis_url: str) -> None:
     msg = ps.get_message(timeout=2)
     assert msg is not None and msg["data"] == b"4"
     ps.close()
+
+
+def test_update_group_members_age_out_and_decisions_belong_to_one_round(redis_url: str) -> None:
+    t = transport(redis_url)
+    t.nccl_register("a1", {"ranks": 2, "nonce": "n1", "group": None})
+    t.nccl_register("a2", {"ranks": 1, "nonce": "n2", "group": "g"})
+    t.client.hset(t.keys.nccl_members, "bad", b"not json")
+    assert {m: d["ranks"] for m, d in t.nccl_members(5.0).items()} == {"a1": 2, "a2": 1}
+    assert t.client.hexists(t.keys.nccl_members, "bad") == 0  # unreadable: removed
+    time.sleep(1.2)
+    t.nccl_register("a2", {"ranks": 1, "nonce": "n2", "group": "g"})
+    assert set(t.nccl_members(1.0)) == {"a2"}  # a1 aged out (by Redis's clock) and was removed
+    assert not t.client.hexists(t.keys.nccl_members, "a1")
+    t.nccl_unregister("a2")
+    assert t.nccl_members(5.0) == {}
+
+    t.nccl_open_round('{"session": "s1", "seq": 4}')
+    assert t.nccl_decision("s1:4") is None  # undecided
+    t.nccl_ready("s1:4", "a1")
+    t.nccl_ready("s1:3", "a2")  # late, for an earlier round
+    assert t.nccl_ready_members("s1:4") == {"a1"}
+    t.nccl_decide("s1:4", "join")
+    assert t.nccl_decision("s1:4") == "join"
+    t.nccl_decide("s1:4", "go")
+    assert t.nccl_decision("s1:4") == "go"
+    t.nccl_open_round('{"session": "s1", "seq": 5}')
+    assert t.nccl_decision("s1:4") == "cancel"  # a later round of the learner
+    assert t.nccl_ready_members("s1:5") == set()
+    t.nccl_open_round('{"session": "s2", "seq": 1}')  # another learner (restarted): its round 1 is not ours
+    assert t.nccl_decision("s1:1") == "cancel" and t.nccl_decision("s2:1") is None
 
 
 def test_two_actors_share_the_prompt_cursor(redis_url: str) -> None:
