@@ -28,7 +28,7 @@ import harness  # noqa: E402
 import torch  # noqa: E402
 
 from common.redis_server import free_port  # noqa: E402
-from common.weight_sync import Round, assign_ranks, close_group, open_group, plan_buckets  # noqa: E402
+from common.weight_sync import Round, assign_ranks, close_group, open_group  # noqa: E402
 from common.weights import publish  # noqa: E402
 
 TIMEOUT_S = 300.0
@@ -108,8 +108,7 @@ def case(model: torch.nn.Module, model_dir: Path, root: Path, k: int, trials: in
     pg = None
     try:
         offsets, world = assign_ranks({f"a{i}": 1 for i in range(k)})
-        tensors = snapshot(model, None, "model")
-        buckets = plan_buckets(tensors, 512 * 2**20)
+        buckets = snapshot(model, None, "model").buckets
         rnd = Round("bench", 1, 1, f"bench-{k}", "127.0.0.1", free_port(), world, backend, offsets, buckets)
         actors.send([{"op": "join", "round": rnd.to_json(), "offset": offsets[f"a{i}"]} for i in range(k)])
         pg = open_group(address=rnd.address, port=rnd.port, world_size=world, rank=0, group_name=rnd.group,
@@ -124,9 +123,9 @@ def case(model: torch.nn.Module, model_dir: Path, root: Path, k: int, trials: in
             disk_s.append(time.perf_counter() - t0)
 
             t0 = time.perf_counter()
-            tensors = snapshot(model, None, "model")  # the learner's CPU copy, as publish() makes it
+            snap = snapshot(model, None, "model")  # the learner's CPU copy, as publish() makes it
             actors.send([{"op": "recv", "round": rnd.to_json()}] * k)
-            send_buckets(pg, buckets, tensors, TIMEOUT_S, backend)
+            send_buckets(pg, snap, TIMEOUT_S, backend)
             actors.wait()
             broadcast_s.append(time.perf_counter() - t0)
         ratios = [d / b for d, b in zip(disk_s, broadcast_s, strict=True)]

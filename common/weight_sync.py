@@ -87,9 +87,16 @@ def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int)
     return buckets
 
 
-def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The bytes of ``tensors`` (each made contiguous), one after the other: SGLang's flattened bucket."""
-    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+def flatten(tensors: Sequence[torch.Tensor], device: str | torch.device = "cpu") -> torch.Tensor:
+    """The bytes of ``tensors``, one after the other, in one new uint8 tensor on ``device``: SGLang's flattened
+    bucket. Each tensor is copied once, straight into its place (from a GPU too: one device-to-host copy each)."""
+    raws = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    flat = torch.empty(sum(r.numel() for r in raws), dtype=torch.uint8, device=device)
+    at = 0
+    for raw in raws:
+        flat[at : at + raw.numel()].copy_(raw)
+        at += raw.numel()
+    return flat
 
 
 def unflatten(flat: torch.Tensor, bucket: Bucket) -> dict[str, torch.Tensor]:

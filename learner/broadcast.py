@@ -36,6 +36,7 @@ from common.weight_sync import (
     flatten,
     open_group,
     plan_buckets,
+    unflatten,
 )
 
 log = logging.getLogger(__name__)
@@ -58,13 +59,31 @@ def learner_address(configured: str) -> str:
     return address
 
 
-Tensors = list[tuple[str, torch.Tensor]]
+@dataclass(frozen=True)
+class Snapshot:
+    """A version as it is sent: SGLang's flattened buckets, already copied to CPU memory (one copy of the model:
+    training goes on while they are broadcast)."""
+
+    buckets: list[Bucket]
+    flats: list[torch.Tensor]  # one uint8 tensor per bucket
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The named tensors, for a fall-back to disk: copies, since views into one bucket share its storage, and
+        save_pretrained takes tensors that share storage for tied weights and keeps one."""
+        views = (unflatten(f, b) for b, f in zip(self.buckets, self.flats, strict=True))
+        return {n: t.clone() for v in views for n, t in v.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() for f in self.flats)
 
 
-def snapshot(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, dtype: str) -> Tensors:
-    """The tensors to send, in the model's order, as a CPU copy in ``weights.dtype`` (``state``: a sharded
-    learner's gathered copy). A weight tied to an earlier one (the output layer to the embeddings) is left out, as
-    save_pretrained leaves it out of the files: the server ties it itself."""
+def snapshot(
+    model: torch.nn.Module, state: dict[str, torch.Tensor] | None, dtype: str, bucket_bytes: int = 512 * 2**20
+) -> Snapshot:
+    """The tensors to send, in the model's order and in ``weights.dtype`` (``state``: a sharded learner's gathered
+    copy), each copied once, into its bucket. A weight tied to an earlier one (the output layer to the embeddings) is
+    left out, as save_pretrained leaves it out of the files: the server ties it itself."""
     seen: set[int] = set()
     tied: set[str] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -73,29 +92,25 @@ def snapshot(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, dtyp
         seen.add(id(p))
     whole = state if state is not None else model.state_dict()
     cast = None if dtype == "model" else getattr(torch, dtype)
-    out = []
+    named = {}
     for name, t in whole.items():
         if name in tied:
             continue
         t = t.detach()
-        if cast is not None and t.is_floating_point():
-            t = t.to(cast)
-        out.append((name, t.to("cpu", copy=True)))
-    return out
+        named[name] = t.to(cast) if cast is not None and t.is_floating_point() else t
+    buckets = plan_buckets(named.items(), bucket_bytes)
+    flats = [flatten([named[n] for n in b.names]) for b in buckets]
+    return Snapshot(buckets, flats)
 
 
-def send_buckets(
-    pg: Any, buckets: list[Bucket], tensors: Tensors, timeout_s: float, backend: str, device: str = "cuda"
-) -> None:
-    """Broadcast each bucket from rank 0, flattened (on ``device``, this rank's GPU, for nccl); raises when one does
-    not complete within ``timeout_s``."""
+def send_buckets(pg: Any, snap: Snapshot, timeout_s: float, backend: str, device: str = "cuda") -> None:
+    """Broadcast each bucket from rank 0 (from ``device``, this rank's GPU, for nccl); raises when one does not
+    complete within ``timeout_s``."""
     import datetime
 
     import torch.distributed as dist
 
-    by_name = dict(tensors)
-    for bucket in buckets:
-        flat = flatten([by_name[n] for n in bucket.names])
+    for flat in snap.flats:
         if backend == "nccl":
             flat = flat.to(device, non_blocking=True)
         work = dist.broadcast(flat, group_src=0, group=pg, async_op=True)
@@ -124,13 +139,13 @@ class Broadcaster:
         transport: Transport,
         metrics: LearnerMetrics,
         *,
-        to_disk: Callable[[int, Tensors], None],
-        announce_nccl: Callable[[int, Tensors], None],
+        to_disk: Callable[[int, Snapshot], None],
+        announce_nccl: Callable[[int, Snapshot], None],
         announced: Callable[[], int] = lambda: -1,
         device: str = "cpu",
     ):
-        """``to_disk(version, tensors)`` writes and announces a version (the fall-back); ``announce_nccl(version,
-        tensors)`` announces one its members received; ``announced()`` is the newest version announced (a round
+        """``to_disk(version, snapshot)`` writes and announces a version (the fall-back); ``announce_nccl(version,
+        snapshot)`` announces one its members received; ``announced()`` is the newest version announced (a round
         for an older one is skipped); ``device``: the learner's, where nccl buckets are staged."""
         self.cfg = cfg
         self.wc = cfg.weights
@@ -147,7 +162,7 @@ class Broadcaster:
         self.seq = 0
         self.rounds_ok = 0
         self.fallbacks = 0
-        self._pending: tuple[int, Tensors] | None = None
+        self._pending: tuple[int, Snapshot] | None = None
         self._cv = threading.Condition()
         self._busy = False
         self._closing = False
@@ -159,12 +174,12 @@ class Broadcaster:
     def members(self) -> dict[str, dict[str, Any]]:
         return self.transport.nccl_members(self.cfg.actor.heartbeat_ttl_s)
 
-    def submit(self, version: int, tensors: Tensors) -> None:
+    def submit(self, version: int, snap: Snapshot) -> None:
         with self._cv:
             if self._pending is not None:
                 self.metrics.broadcast_superseded.inc()
                 log.info("weights v%d superseded by v%d before its broadcast", self._pending[0], version)
-            self._pending = (version, tensors)
+            self._pending = (version, snap)
             self._cv.notify_all()
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -203,23 +218,23 @@ class Broadcaster:
                 if self._closing:
                     return
                 assert self._pending is not None
-                version, tensors = self._pending
+                version, snap = self._pending
                 self._pending = None
                 self._busy = True
             try:
-                self._publish(version, tensors)
+                self._publish(version, snap)
             finally:
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _publish(self, version: int, tensors: Tensors) -> None:
+    def _publish(self, version: int, snap: Snapshot) -> None:
         if version <= self.announced():  # a newer version went to disk meanwhile: this one would be a step back
             log.info("weights v%d not broadcast: a newer version was announced", version)
             return
         t0 = time.perf_counter()
         try:
-            self._round(version, tensors)
+            self._round(version, snap)
         except Exception as e:  # whatever failed (a member, the network, Redis), the version must still go out
             reason = e.reason if isinstance(e, RoundFailed) else "error"
             self._close_group(abort=reason in ("broadcast", "error"))
@@ -230,18 +245,18 @@ class Broadcaster:
             self.metrics.broadcast_fallbacks.labels(reason).inc()
             log.warning("weights v%d go to disk: %s", version, e)
             try:
-                self.to_disk(version, tensors)
+                self.to_disk(version, snap)
             except Exception:
                 log.exception("weights v%d: writing them to disk failed too", version)
             return
         seconds = time.perf_counter() - t0
         self.rounds_ok += 1
         self.metrics.broadcast_seconds.observe(seconds)
-        self.announce_nccl(version, tensors)
+        self.announce_nccl(version, snap)
         log.debug("weights v%d broadcast to %d members in %.3fs", version, len(self.group.ranks) if self.group else 0,
                   seconds)  # fmt: skip
 
-    def _round(self, version: int, tensors: Tensors) -> None:
+    def _round(self, version: int, snap: Snapshot) -> None:
         members = self.members()
         if not members:
             raise RoundFailed("no_members", "no actor takes weights over NCCL")
@@ -262,10 +277,9 @@ class Broadcaster:
             name = f"grpo-{self.cfg.run.name}-{self.session}-{self.generation}"
             group = self.group = _Group(name, _identity(members), ranks, world, port)
         assert group is not None
-        buckets = plan_buckets(tensors, int(self.wc.nccl_bucket_mb * 2**20))
         self.seq += 1
         rnd = Round(self.session, self.seq, version, group.name, self.address, group.port, group.world_size,
-                    self.wc.nccl_backend, group.ranks, buckets)  # fmt: skip
+                    self.wc.nccl_backend, group.ranks, snap.buckets)  # fmt: skip
         self.transport.nccl_open_round(rnd.to_json())
         # Nobody enters the group's rendezvous or a broadcast until every member said it is ready: a member that is
         # slow or gone cancels the round before anyone is inside a collective that could not complete.
@@ -296,7 +310,7 @@ class Broadcaster:
                 raise RoundFailed("join", f"the update group {group.name} did not form: {e}") from None
         self.transport.nccl_decide(rnd.id, "go")
         try:
-            send_buckets(group.pg, buckets, tensors, timeout, self.wc.nccl_backend, self.device)
+            send_buckets(group.pg, snap, timeout, self.wc.nccl_backend, self.device)
         except Exception as e:
             raise RoundFailed("broadcast", f"broadcast to {group.name} failed: {e}") from None
 

@@ -34,7 +34,7 @@ from common.weights import publish, tensors_digest
 from grader.pool import GraderPool, open_grader
 from learner import checkpoint
 from learner.alarms import Alarms
-from learner.broadcast import Broadcaster, snapshot
+from learner.broadcast import Broadcaster, Snapshot, snapshot
 from learner.checkpoint import Resumable
 from learner.distributed import Ranks
 from learner.trainer import Trainer, disable_dropout
@@ -354,7 +354,7 @@ class Learner:
             b = self.broadcaster
             counts = {"weights/nccl_rounds": float(b.rounds_ok), "weights/nccl_fallbacks": float(b.fallbacks)}
             if not (first or last or periodic or self._actors_without_nccl()):
-                b.submit(self.version, snapshot(self.model, whole, wc.dtype))
+                b.submit(self.version, snapshot(self.model, whole, wc.dtype, int(wc.nccl_bucket_mb * 2**20)))
                 return {"time/publish_s": time.perf_counter() - t0, **counts}
             self._write(self.version, whole)
             return {"time/publish_s": time.perf_counter() - t0, **counts}
@@ -387,13 +387,13 @@ class Learner:
         self.metrics.publish_seconds.observe(pub.seconds)
         self.metrics.publish_bytes.set(pub.nbytes)
 
-    def _fall_back(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self._write(version, dict(tensors))
+    def _fall_back(self, version: int, snap: Snapshot) -> None:
+        self._write(version, snap.tensors())
 
-    def _announce_nccl(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def _announce_nccl(self, version: int, snap: Snapshot) -> None:
         """Announce a version its members received over NCCL (``format: nccl``): actors that hold it skip it; the
         digest (of the bytes sent) names its contents."""
-        checked, nbytes = tensors_digest((t for _, t in tensors), self.cfg.weights.digest)
+        checked, nbytes = tensors_digest(snap.flats, self.cfg.weights.digest)
         b = self.broadcaster
         group = b.group.name if b is not None and b.group is not None else ""
         uri = f"nccl://{b.address if b is not None else ''}/{group}"

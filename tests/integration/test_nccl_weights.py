@@ -24,7 +24,7 @@ from common.models import load_pretrained
 from common.procs import wait_until
 from common.redis_server import free_port
 from common.transport import Transport
-from learner.broadcast import Broadcaster, snapshot
+from learner.broadcast import Broadcaster, Snapshot, snapshot
 from tests.integration.test_actor_process import actor_args
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -57,10 +57,10 @@ class Recorder:
         self.disk: list[int] = []
         self.nccl: list[int] = []
 
-    def to_disk(self, v: int, tensors: list) -> None:
+    def to_disk(self, v: int, snap: Snapshot) -> None:
         self.disk.append(v)
 
-    def announce(self, v: int, tensors: list) -> None:
+    def announce(self, v: int, snap: Snapshot) -> None:
         self.nccl.append(v)
 
 
@@ -87,23 +87,23 @@ def test_versions_reach_every_member_the_group_follows_members_and_a_laggard_sen
                           "-o", f"sglang.url={url}", *NCCL)  # fmt: skip
         return url, processes.grpo(*args, log=tmp_path / f"{name}.log")
 
-    def new_version(v: int) -> list[tuple[str, torch.Tensor]]:
+    def new_version(v: int) -> Snapshot:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01 * v)
-        return snapshot(model, None, "model")
+        return snapshot(model, None, "model", int(0.05 * 2**20))
 
     def logs() -> str:
         codes = [f"{' '.join(map(str, p.args[-4:]))}: exit {p.poll()}" for p in processes.procs]
         return "\n".join([*codes, *(p.read_text()[-3000:] for p in sorted(tmp_path.glob("*.log")))])
 
-    def delivered(v: int, urls: list[str], tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def delivered(v: int, urls: list[str], snap: Snapshot) -> None:
         assert wait_until(lambda: v in rec.nccl or v in rec.disk, 120), logs()
         assert rec.nccl[-1] == v, (rec.nccl, rec.disk, logs())
         for url in urls:
             # The learner is done once the bytes are sent; a server may still be loading them.
             assert wait_until(lambda: version(url) == str(v), 30), logs()  # noqa: B023
-            for name, expected in tensors:
+            for name, expected in snap.tensors().items():
                 torch.testing.assert_close(served(url, name), expected, rtol=0, atol=0, msg=name)
 
     try:

@@ -127,3 +127,23 @@ def test_update_group_requests_carry_the_fields_sglang_declares() -> None:
     assert [b["flush_cache"] for b in updates] == [False, False, True]  # one flush, with the last bucket
     assert [b.get("weight_version") for b in updates] == [None, None, "4"]
     assert {b["load_format"] for b in updates} == {"flattened_bucket"} and engine.version == 4
+
+
+def test_a_snapshot_holds_the_model_once_and_falls_back_to_disk_whole(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from common.models import load_pretrained
+    from common.weights import load_state_dict, publish
+    from learner.broadcast import snapshot
+
+    tok, model = load_pretrained(str(tiny_model_dir), "float32", "cpu")
+    snap = snapshot(model, None, "bfloat16", 4096)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    assert [n for b in snap.buckets for n in b.names] == [n for n in state if n not in tied]
+    assert snap.nbytes == sum(state[n].numel() * 2 for n in state if n not in tied)  # bfloat16: 2 bytes each
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # training goes on: the snapshot is a copy
+    pub = publish(model, tok, tmp_path, 1, keep=2, dtype="bfloat16", state_dict=snap.tensors())
+    written, _ = load_state_dict(pub.announcement)
+    assert set(written) == set(snap.tensors())  # nothing taken for a tied weight and dropped
+    for name, t in snap.tensors().items():
+        assert torch.equal(written[name], t) and torch.equal(t, state[name].to(torch.bfloat16)), name
