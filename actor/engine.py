@@ -8,7 +8,6 @@ a SGLang server) returns the same type.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import time
@@ -22,7 +21,7 @@ from common.config import Config
 from common.generation import Sample, generate, pad_token_id, stop_token_ids
 from common.models import load_pretrained
 from common.schemas import WeightsAnnouncement
-from common.weight_sync import Round, abort_group, close_group, open_group, unflatten
+from common.weight_sync import Round, abort_group, close_group, open_group, unflatten, wait_for
 from common.weights import WeightsError, load_into, load_state_dict
 
 log = logging.getLogger(__name__)
@@ -107,9 +106,8 @@ class LocalEngine:
             flat = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
             work = dist.broadcast(flat, group_src=0, group=self._group[1], async_op=True)
             try:
-                if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
-                    raise RuntimeError(f"not in {timeout_s:.0f}s")
-            except RuntimeError as e:  # the model is untouched: the version comes from disk instead
+                wait_for(work, timeout_s, "broadcast")
+            except TimeoutError as e:  # the model is untouched: the version comes from disk instead
                 abort_group(self._group[1])
                 self._group = None
                 raise WeightsError(f"a bucket of weights v{rnd.version} did not arrive: {e}") from None

@@ -65,7 +65,6 @@ class Receiver:
         self.group: str | None = None  # the update group this actor's engine is in
         self.last: str | None = None  # the id of the last round handled
         self.nonce = uuid.uuid4().hex[:8]  # this process's: a restarted actor with the same id is a new member
-        self.received = 0
 
     def register(self) -> None:
         """Called with every heartbeat, and when the group it is in changes: the learner forms groups of the actors
@@ -148,7 +147,6 @@ class Receiver:
             self._leave()
             return False
         seconds = time.perf_counter() - t0
-        self.received += 1
         self.metrics.weight_load_seconds.labels("nccl").observe(seconds)
         self.metrics.policy_version.set(rnd.version)
         log.debug("received weights v%d (%.1f MB) over NCCL in %.3fs", rnd.version, nbytes / 1e6, seconds)

@@ -68,7 +68,8 @@ class LearnerMetrics(RedisMetrics):
         )
         self.broadcast_fallbacks = Counter(
             "grpo_learner_weight_broadcast_fallbacks",
-            "versions written to disk because a broadcast could not happen (not_ready, join, broadcast)",
+            "versions written to disk because a broadcast could not happen (no_members, not_ready, join, broadcast, "
+            "error)",
             ["reason"],
             registry=r,
         )

@@ -50,14 +50,14 @@ log = logging.getLogger(__name__)
 CONSUMER_GROUP = "learners"
 _SCRIPT_CHUNK = 1000  # ids per script call (Lua's unpack has a stack limit)
 
-# Settling a group (trained, dropped, dead) is one Lua script, atomic like MULTI/EXEC, and idempotent: a command
-# retried after its reply was lost finds the entry already deleted and counts nothing twice, so the equation holds.
 # Remove a hash field only if it still holds the value read: a member that re-registered meanwhile stays.
 _HDEL_IF = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
 return 0
 """
 
+# Settling a group (trained, dropped, dead) is one Lua script, atomic like MULTI/EXEC, and idempotent: a command
+# retried after its reply was lost finds the entry already deleted and counts nothing twice, so the equation holds.
 _SETTLE = """
 redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3))
 local deleted = redis.call('XDEL', KEYS[1], unpack(ARGV, 3))
@@ -575,8 +575,7 @@ class Transport:
     def nccl_decision(self, round_id: str) -> str | None:
         """The decision on round ``round_id``; ``cancel`` once the state belongs to any other round (a later one, or
         another learner's), None while undecided."""
-        value = self._do(lambda: self.client.get(self.keys.nccl_round))
-        state = self._do(lambda: self.client.get(self.keys.nccl_state))
+        value, state = self._do(lambda: self.client.mget(self.keys.nccl_round, self.keys.nccl_state))
         if state is not None:
             at, _, decision = as_text(state).rpartition(":")
             if at == round_id:

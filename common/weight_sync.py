@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
@@ -42,19 +43,13 @@ class Bucket:
     dtypes: list[str]
     shapes: list[list[int]]
 
+    def sizes(self) -> list[int]:
+        """Bytes of each tensor, in order."""
+        return [math.prod(s) * getattr(torch, d).itemsize for s, d in zip(self.shapes, self.dtypes, strict=True)]
+
     @property
     def nbytes(self) -> int:
-        return sum(
-            _numel(shape) * torch.empty((), dtype=getattr(torch, d)).element_size()
-            for shape, d in zip(self.shapes, self.dtypes, strict=True)
-        )
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+        return sum(self.sizes())
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -87,11 +82,11 @@ def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int)
     return buckets
 
 
-def flatten(tensors: Sequence[torch.Tensor], device: str | torch.device = "cpu") -> torch.Tensor:
-    """The bytes of ``tensors``, one after the other, in one new uint8 tensor on ``device``: SGLang's flattened
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``tensors``, one after the other, in one new uint8 tensor in CPU memory: SGLang's flattened
     bucket. Each tensor is copied once, straight into its place (from a GPU too: one device-to-host copy each)."""
     raws = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    flat = torch.empty(sum(r.numel() for r in raws), dtype=torch.uint8, device=device)
+    flat = torch.empty(sum(r.numel() for r in raws), dtype=torch.uint8)
     at = 0
     for raw in raws:
         flat[at : at + raw.numel()].copy_(raw)
@@ -103,10 +98,8 @@ def unflatten(flat: torch.Tensor, bucket: Bucket) -> dict[str, torch.Tensor]:
     """The tensors of ``bucket`` read back from its flattened bytes (views into ``flat``)."""
     out: dict[str, torch.Tensor] = {}
     at = 0
-    for name, d, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
-        dtype = getattr(torch, d)
-        n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        out[name] = flat[at : at + n].view(dtype).reshape(shape)
+    for name, d, shape, n in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.sizes(), strict=True):
+        out[name] = flat[at : at + n].view(getattr(torch, d)).reshape(shape)
         at += n
     if at != flat.numel():
         raise ValueError(f"a bucket of {flat.numel()} bytes holds {at} bytes of tensors")
@@ -199,6 +192,17 @@ def abort_group(pg: Any) -> None:
             abort(pg)
             return
     close_group(pg)
+
+
+def wait_for(work: Any, timeout_s: float, what: str) -> None:
+    """Wait for a collective's ``work``; TimeoutError when it does not complete within ``timeout_s`` (gloo raises,
+    NCCL returns False)."""
+    try:
+        done = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise TimeoutError(f"{what}: {e}") from None
+    if done is False:
+        raise TimeoutError(f"{what}: not complete in {timeout_s:.0f}s")
 
 
 def close_group(pg: Any) -> None:

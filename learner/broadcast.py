@@ -37,6 +37,7 @@ from common.weight_sync import (
     open_group,
     plan_buckets,
     unflatten,
+    wait_for,
 )
 
 log = logging.getLogger(__name__)
@@ -106,16 +107,13 @@ def snapshot(
 def send_buckets(pg: Any, snap: Snapshot, timeout_s: float, backend: str, device: str = "cuda") -> None:
     """Broadcast each bucket from rank 0 (from ``device``, this rank's GPU, for nccl); raises when one does not
     complete within ``timeout_s``."""
-    import datetime
-
     import torch.distributed as dist
 
     for flat in snap.flats:
         if backend == "nccl":
             flat = flat.to(device, non_blocking=True)
         work = dist.broadcast(flat, group_src=0, group=pg, async_op=True)
-        if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
-            raise TimeoutError(f"a bucket of {flat.numel()} bytes did not go out in {timeout_s:.0f}s")
+        wait_for(work, timeout_s, f"a bucket of {flat.numel()} bytes did not go out")
 
 
 @dataclass
@@ -164,7 +162,6 @@ class Broadcaster:
         self.fallbacks = 0
         self._pending: tuple[int, Snapshot] | None = None
         self._cv = threading.Condition()
-        self._busy = False
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="weights-broadcast", daemon=True)
         self._thread.start()
@@ -181,17 +178,6 @@ class Broadcaster:
                 log.info("weights v%d superseded by v%d before its broadcast", self._pending[0], version)
             self._pending = (version, snap)
             self._cv.notify_all()
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no round is pending or running; False after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        with self._cv:
-            while self._pending is not None or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
 
     def close(self) -> None:
         """Drop what waits, cancel a round still waiting for its members, let a broadcast end (each of its waits is
@@ -220,13 +206,7 @@ class Broadcaster:
                 assert self._pending is not None
                 version, snap = self._pending
                 self._pending = None
-                self._busy = True
-            try:
-                self._publish(version, snap)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+            self._publish(version, snap)  # never raises: a failed round falls back to disk
 
     def _publish(self, version: int, snap: Snapshot) -> None:
         if version <= self.announced():  # a newer version went to disk meanwhile: this one would be a step back
@@ -252,7 +232,10 @@ class Broadcaster:
         seconds = time.perf_counter() - t0
         self.rounds_ok += 1
         self.metrics.broadcast_seconds.observe(seconds)
-        self.announce_nccl(version, snap)
+        try:
+            self.announce_nccl(version, snap)
+        except Exception:  # the members have it; the next version's announcement supersedes this one
+            log.exception("weights v%d: announcing it failed", version)
         log.debug("weights v%d broadcast to %d members in %.3fs", version, len(self.group.ranks) if self.group else 0,
                   seconds)  # fmt: skip
 

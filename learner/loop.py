@@ -356,10 +356,10 @@ class Learner:
             if not (first or last or periodic or self._actors_without_nccl()):
                 b.submit(self.version, snapshot(self.model, whole, wc.dtype, int(wc.nccl_bucket_mb * 2**20)))
                 return {"time/publish_s": time.perf_counter() - t0, **counts}
-            self._write(self.version, whole)
-            return {"time/publish_s": time.perf_counter() - t0, **counts}
+        else:
+            counts = {}
         self._write(self.version, whole)
-        return {"time/publish_s": time.perf_counter() - t0}
+        return {"time/publish_s": time.perf_counter() - t0, **counts}
 
     def _write(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
         """Write ``version`` to ``weights.dir`` and announce it, unless a newer one was announced meanwhile (the
