@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -167,7 +167,8 @@ class SimEngine:
         pass
 
 
-def make_engine(cfg: Config, seed: int) -> Engine:
+def make_engine(cfg: Config, seed: int, *, name: str = "", on_event: Callable[[str], None] = lambda _: None) -> Engine:
+    """``name`` (the actor's id) names a SGLang server the engine launches; ``on_event`` counts what it survived."""
     if cfg.actor.engine == "local":
         return LocalEngine(cfg, seed)
     if cfg.actor.engine == "sim":
@@ -175,5 +176,5 @@ def make_engine(cfg: Config, seed: int) -> Engine:
     if cfg.actor.engine == "sglang":
         from actor.sglang_engine import SGLangEngine
 
-        return SGLangEngine(cfg, seed)
+        return SGLangEngine(cfg, seed, name=name, on_event=on_event)
     raise ValueError(f"unknown engine {cfg.actor.engine!r}")

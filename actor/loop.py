@@ -202,8 +202,10 @@ class Actor:
 
     def sample(self, problems: list[Problem]) -> list[list[Sample]]:
         t0 = time.perf_counter()
-        self.version_sampled = self.engine.version
         groups = self.engine.generate([self._encode_prompt(p) for p in problems], self.cfg.actor.group_size)
+        # Read after generating: weights change only between rounds, and a SGLang engine may learn from the replies
+        # that its server holds another version than it was told.
+        self.version_sampled = self.engine.version
         self.metrics.generation_seconds.observe(time.perf_counter() - t0)
         n = sum(len(g) for g in groups)
         self.metrics.completions.inc(n)
@@ -340,7 +342,12 @@ def run_actor(cfg: Config) -> int:
     register_endpoint(cfg.run.dir, "actor", actor_id, server.url)
     engine: Engine | None = None
     try:
-        engine = make_engine(cfg, seed=cfg.run.seed * 1_000_003 + os.getpid())
+        engine = make_engine(
+            cfg,
+            seed=cfg.run.seed * 1_000_003 + os.getpid(),
+            name=actor_id,
+            on_event=lambda kind: metrics.engine_events.labels(kind).inc(),
+        )
         actor = Actor(cfg, actor_id, transport, engine, grader, metrics, prompt_token_limit(cfg))
         stop = actor.stop
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -353,15 +360,14 @@ def run_actor(cfg: Config) -> int:
             cfg.actor.prompts_per_round,
             server.url,
         )
-        try:
-            reason = actor.run()
-        except EngineError as e:  # the engine's server is gone or answers nonsense: say so, and let it be restarted
-            log.error("actor %s: engine %s failed: %s; exiting", actor_id, cfg.actor.engine, e)
-            return 1
+        reason = actor.run()
         log.info(
             "actor %s stopped (%s): %d groups sent in %d rounds", actor_id, reason, actor.groups_sent, actor.rounds
         )
         return 0
+    except EngineError as e:  # the engine's server is gone or answers nonsense: say so, and let it be restarted
+        log.error("actor %s: engine %s failed: %s; exiting", actor_id, cfg.actor.engine, e)
+        return 1
     finally:
         if engine is not None:
             engine.close()

@@ -6,31 +6,33 @@
   ``output_ids``, ``meta_info.output_token_logprobs`` and ``meta_info.finish_reason``; the server's
   ``weight_version`` must be the version the group is stamped with.
 - ``POST /update_weights_from_disk`` with a published version's directory (checked against its digest first) and our
-  version number; ``flush_cache`` so that no prefix-cache entry computed with old weights serves a new request.
-- ``GET /health`` for readiness. Requests are retried a bounded number of times on connection errors and 5xx.
+  version number; ``flush_cache`` so that no prefix-cache entry computed with old weights serves a new request. Sent
+  right after a ``/generate`` reply, a real server usually answers HTTP 400 "Weights were updated, but the cache was
+  not flushed because requests are still running or queued": the weights *are* loaded (and later replies carry the
+  new ``weight_version``), so the actor asks ``/flush_cache?timeout=…`` until the server takes it (bounded, logged,
+  counted) and then ``/update_weight_version``, which brings ``/model_info`` up to date (it is not, after that 400).
+- ``GET /health`` for readiness. Requests are retried a bounded number of times on connection errors and 5xx, except
+  when the server this actor launched has died: that is said at once.
 
-The server is either given (``sglang.url``) or launched as this process's child (``python -m sglang.launch_server``),
-which dies with the actor. Building requests and reading replies are pure functions, tested on their own.
+The server is either given (``sglang.url``) or launched as this process's child (``actor/sglang_server.py``), which
+dies with the actor. Building requests and reading replies are pure functions, tested on their own.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from actor.engine import EngineError
+from actor.sglang_server import LaunchedServer
 from common.config import Config
 from common.generation import Sample
-from common.procs import die_with_parent, stop_process
-from common.redis_server import free_port
 from common.schemas import WeightsAnnouncement
 from common.weight_sync import Round
 from common.weights import WeightsError, verify
@@ -71,13 +73,15 @@ def generate_request(
     return {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
 
 
-def parse_samples(reply: Any, n_prompts: int, n: int, version: int | str) -> list[list[Sample]]:
-    """The reply of :func:`generate_request` as ``n`` samples per prompt. Raises :class:`EngineError` when it has the
-    wrong shape, a request was aborted, or the server generated with another ``weight_version`` than ``version``."""
+def parse_samples(reply: Any, n_prompts: int, n: int) -> tuple[list[list[Sample]], str | None]:
+    """The reply of :func:`generate_request` as ``n`` samples per prompt, and the ``weight_version`` every completion
+    was generated with (None when the server reports none). Raises :class:`EngineError` when it has the wrong shape,
+    a request was aborted, or completions of one reply were generated with different weight versions."""
     items = reply if isinstance(reply, list) else [reply]
     if len(items) != n_prompts * n:
         raise EngineError(f"/generate returned {len(items)} completions for {n_prompts} prompts x {n}")
     groups: list[list[Sample]] = []
+    versions: set[str] = set()
     for i, item in enumerate(items):
         try:
             ids = [int(t) for t in item["output_ids"]]
@@ -94,15 +98,21 @@ def parse_samples(reply: Any, n_prompts: int, n: int, version: int | str) -> lis
             raise EngineError(f"/generate reply {i}: unknown finish_reason {finish!r}")
         if len(logprobs) != len(ids):
             raise EngineError(f"/generate reply {i}: {len(ids)} output ids but {len(logprobs)} log-probs")
-        if served is not None and str(served) != str(version):
-            raise EngineError(
-                f"the server generated with weight_version {served!r}, the actor expects {version}: another client "
-                "updated its weights?"
-            )
+        if served is not None:
+            versions.add(str(served))
         if i % n == 0:
             groups.append([])
         groups[-1].append(Sample(ids, logprobs, kind))
-    return groups
+    if len(versions) > 1:
+        raise EngineError(f"/generate mixed weight versions {sorted(versions)} in one reply: another client is "
+                          "updating the server's weights")  # fmt: skip
+    return groups, next(iter(versions), None)
+
+
+def loaded_but_not_flushed(message: str) -> bool:
+    """A real server's answer (HTTP 400) to a weights update whose cache flush found requests still running: the
+    weights are swapped, only the prefix cache is not flushed yet (SGLang 0.5.23, weight_updater.py)."""
+    return "Weights were updated, but the cache was not flushed" in message
 
 
 # -- the client -------------------------------------------------------------------------------------------------
@@ -111,10 +121,11 @@ def parse_samples(reply: Any, n_prompts: int, n: int, version: int | str) -> lis
 class SGLangClient:
     """JSON over HTTP with bounded retries (connection errors and 5xx), logged ``attempt i/n``."""
 
-    def __init__(self, url: str, timeout_s: float, retries: int):
+    def __init__(self, url: str, timeout_s: float, retries: int, gone: Callable[[], str | None] = lambda: None):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
+        self.gone = gone  # why the server is known to be dead (a launched one): no point in retrying
 
     def request(
         self,
@@ -133,16 +144,17 @@ class SGLangClient:
             req.add_header("Content-Type", "application/json")
             try:
                 with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
-                    raw = resp.read()
-                    return json.loads(raw) if raw else None
+                    return _body(resp.read())
             except urllib.error.HTTPError as e:
                 raw = e.read()
                 if e.code in ok_statuses:  # an answer, not a failure (e.g. 400 with success: false)
-                    return json.loads(raw) if raw else None
+                    return _body(raw)
                 if e.code < 500 or attempt == total:
                     raise EngineError(f"{method} {path}: HTTP {e.code}: {raw[:500].decode(errors='replace')}") from None
                 error: Exception = e
             except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                if why := self.gone():
+                    raise EngineError(why) from None
                 if attempt == total:
                     raise EngineError(f"{method} {path}: {e} (after {total} attempts)") from None
                 error = e
@@ -159,6 +171,16 @@ class SGLangClient:
             return False
 
 
+def _body(raw: bytes) -> Any:
+    """JSON, or the text some endpoints answer with (``/flush_cache``)."""
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
 def _stop_ids(model_path: str, tokenizer: Any) -> set[int]:
     """End-of-sequence ids of the tokenizer and of the model's generation_config.json, as SGLang would stop on."""
     ids: set[int] = set()
@@ -172,7 +194,7 @@ def _stop_ids(model_path: str, tokenizer: Any) -> set[int]:
 
 
 class SGLangEngine:
-    def __init__(self, cfg: Config, seed: int):
+    def __init__(self, cfg: Config, seed: int, *, name: str = "", on_event: Callable[[str], None] = lambda _: None):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -180,10 +202,15 @@ class SGLangEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = _stop_ids(cfg.model.path, self.tokenizer)
         self.version = 0
-        self.proc: subprocess.Popen | None = None
-        url = sc.url or self._launch()
-        self.client = SGLangClient(url, sc.timeout_s, sc.retries)
-        self._wait_ready(sc.ready_timeout_s)
+        self.on_event = on_event  # engine incidents survived, by kind (grpo_actor_engine_events_total)
+        self.server = None if sc.url else LaunchedServer(cfg, name)
+        url = sc.url or self.server.url  # type: ignore[union-attr]
+        self.client = SGLangClient(url, sc.timeout_s, sc.retries, self.server.gone if self.server else lambda: None)
+        try:
+            self._wait_ready(sc.ready_timeout_s)
+        except BaseException:
+            self.close()
+            raise
         # The weights the server holds now: a version of ours (it outlived an earlier actor, say) or, under any
         # other name (SGLang's "default"), the model it was started with, which is version 0.
         served = (self.client.request("GET", "/model_info") or {}).get("weight_version")
@@ -209,23 +236,12 @@ class SGLangEngine:
             return 0
         return int(info.get("tp_size") or 1)
 
-    def _launch(self) -> str:
-        sc = self.cfg.sglang
-        port = free_port()
-        cmd = [sys.executable, "-m", sc.launch_module, "--model-path", self.cfg.model.path,
-               "--host", "127.0.0.1", "--port", str(port), "--weight-version", "0", *sc.launch_args]  # fmt: skip
-        logs = Path(self.cfg.run.dir) / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        with (logs / f"sglang-{port}.log").open("ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        log.info("launched %s (pid %d) on port %d", sc.launch_module, self.proc.pid, port)
-        return f"http://127.0.0.1:{port}"
-
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self.client.healthy():
-            if self.proc is not None and self.proc.poll() is not None:
-                raise EngineError(f"the SGLang server exited with code {self.proc.returncode} before it was ready")
+            if self.server is not None and (why := self.server.gone()):
+                raise EngineError(f"{why} before it was ready: {self.server.tail()} (set up SGLang's environment with "
+                                  "scripts/sglang_env.sh, or name its interpreter in sglang.python)")  # fmt: skip
             if time.monotonic() > deadline:
                 raise EngineError(f"SGLang at {self.client.url} was not healthy after {timeout_s:.0f}s")
             time.sleep(1.0)
@@ -236,20 +252,56 @@ class SGLangEngine:
             prompts, n, temperature=0.0 if greedy else s.temperature, max_new_tokens=s.max_new_tokens,
             stop_token_ids=self.stop_ids, mode=self.cfg.sglang.requests,
         )  # fmt: skip
-        return parse_samples(self.client.request("POST", "/generate", body), len(prompts), n, self.served)
+        groups, served = parse_samples(self.client.request("POST", "/generate", body), len(prompts), n)
+        if served is not None and served != self.served:
+            self._adopt(served)
+        return groups
+
+    def _adopt(self, served: str) -> None:
+        """/generate says the server holds another version than /model_info said: a server whose weights were loaded
+        by a reply SGLang reports as a failure (the 400 of :meth:`load`) before this actor started. Its replies are
+        the truth about what generated them; a name that is not a version of ours means someone else's weights."""
+        if not served.isdigit():
+            raise EngineError(f"the server generated with weight_version {served!r}, the actor expects "
+                              f"{self.served!r}: another client updated its weights?")  # fmt: skip
+        log.warning("SGLang's /generate reports weight_version %s, /model_info said %s: sampling as v%s",
+                    served, self.served, served)  # fmt: skip
+        self.on_event("version_from_reply")
+        self.version, self.served = int(served), served
 
     def load(self, ann: WeightsAnnouncement) -> int:
         """Verify the published directory against its digest, then have the server load it as our version."""
         nbytes = verify(ann)
-        body = {"model_path": ann.uri, "weight_version": str(ann.version), "abort_all_requests": False,
-                "flush_cache": True}  # fmt: skip
+        version = str(ann.version)
+        body = {"model_path": ann.uri, "weight_version": version, "abort_all_requests": False, "flush_cache": True}
         reply = self.client.request("POST", "/update_weights_from_disk", body, ok_statuses=(400,))
-        if not isinstance(reply, dict) or not reply.get("success"):
-            message = reply.get("message") if isinstance(reply, dict) else reply
-            raise WeightsError(f"weights v{ann.version}: the SGLang server refused them: {message}")
+        message = str(reply.get("message", "")) if isinstance(reply, dict) else str(reply)
+        if not (isinstance(reply, dict) and reply.get("success")):
+            if not loaded_but_not_flushed(message):
+                raise WeightsError(f"weights v{ann.version}: the SGLang server refused them: {message}")
+            self._flush(ann.version)
+            # That 400 left /model_info at the old version (the scheduler and /generate have the new one).
+            self.client.request("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
         self.version = ann.version
-        self.served = str(ann.version)
+        self.served = version
         return nbytes
+
+    def _flush(self, version: int) -> None:
+        """The server loaded ``version`` but had requests in flight when it tried to flush its prefix cache, whose
+        entries were computed with the old weights: ask again, each time waiting for it to go idle."""
+        sc = self.cfg.sglang
+        for attempt in range(1, sc.flush_attempts + 1):
+            self.on_event("cache_flush_retry")
+            reply = self.client.request("POST", f"/flush_cache?timeout={sc.flush_timeout_s:g}", ok_statuses=(400,),
+                                        timeout_s=sc.flush_timeout_s + 30)  # fmt: skip
+            if isinstance(reply, str) and reply.startswith("Cache flushed"):
+                log.info("weights v%d loaded; the server flushed its cache when asked again (attempt %d/%d)",
+                         version, attempt, sc.flush_attempts)  # fmt: skip
+                return
+            log.warning("weights v%d loaded, the cache not flushed yet: %s (attempt %d/%d)",
+                        version, str(reply).strip(), attempt, sc.flush_attempts)  # fmt: skip
+        raise EngineError(f"the SGLang server loaded weights v{version} but refused to flush its prefix cache "
+                          f"{sc.flush_attempts} times: it would serve prefixes computed with old weights")  # fmt: skip
 
     # -- weights over NCCL (actor/nccl.py, common/weight_sync.py) ----------------------------------------------
 
@@ -311,6 +363,6 @@ class SGLangEngine:
         return sum(b.nbytes for b in rnd.buckets)
 
     def close(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, grace_s=30, name="sglang server")
-            self.proc = None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

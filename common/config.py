@@ -438,12 +438,34 @@ class CheckpointConfig(_Section):
     )
 
 
+# SGLang's CPU backend as it runs with its CPU kernel: its default attention backend (intel_amx) needs a newer kernel
+# than the one SGLang 0.5.23 was released with, float32 has no rmsnorm kernel and `auto` would load an fp32 checkpoint
+# as float16 (log-probs off by nats), the overlap scheduler is GPU-only, and the KV cache takes a fraction of the
+# machine's memory, not of a GPU's.
+SGLANG_CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "bfloat16",
+                   "--disable-overlap-schedule", "--mem-fraction-static", "0.05")  # fmt: skip
+
+
 class SGLangConfig(_Section):
     url: str = Field(
         "", description="a running SGLang server, http://host:30000; empty = the actor launches one as its child"
     )
+    python: str = Field(
+        "",
+        description="the interpreter that launches the server (SGLang pins its own torch, so it has a venv of its "
+        "own); empty = .venv-sglang/bin/python of this checkout when scripts/sglang_env.sh made it, else this "
+        "process's interpreter (SGLang's image); env GRPO_SGLANG_PYTHON",
+    )
     launch_module: str = Field(
         "sglang.launch_server", description="module run as `python -m MODULE --model-path ... --port ...` to launch"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where a launched server runs: auto = cuda when this process sees a GPU, else cpu"
+    )
+    cpu_args: list[str] = Field(
+        default_factory=lambda: list(SGLANG_CPU_ARGS),
+        description="launch arguments on the CPU (with SGLANG_USE_CPU_ENGINE=1 in its environment): SGLang's CPU "
+        "backend with the attention and dtype its CPU kernel supports, and a small KV cache",
     )
     launch_args: list[str] = Field(
         default_factory=list, description="extra launch arguments, e.g. [--mem-fraction-static, '0.8']"
@@ -456,6 +478,13 @@ class SGLangConfig(_Section):
     ready_timeout_s: float = Field(900.0, gt=0, description="how long to wait for /health after connecting or launch")
     timeout_s: float = Field(600.0, gt=0, description="HTTP time limit of one /generate or weight update")
     retries: int = Field(5, ge=0, description="attempts per request on connection errors and 5xx, with backoff")
+    flush_attempts: int = Field(
+        5,
+        ge=1,
+        description="a server that loaded new weights but could not flush its prefix cache yet (requests still "
+        "running) is asked to flush this many times, each waiting up to flush_timeout_s for it to go idle",
+    )
+    flush_timeout_s: float = Field(10.0, gt=0, description="how long one /flush_cache waits for the server to idle")
 
 
 class MetricsConfig(_Section):
@@ -541,6 +570,7 @@ ENV_KEYS: dict[str, str] = {
     "GRPO_MODEL_PATH": "model.path",
     "GRPO_TASK_PATH": "task.path",
     "GRPO_SGLANG_URL": "sglang.url",
+    "GRPO_SGLANG_PYTHON": "sglang.python",
 }
 
 

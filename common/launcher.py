@@ -176,7 +176,9 @@ class Run:
         )
 
     def wait_for_endpoints(self) -> list[dict[str, Any]]:
-        want = 1 + self.cfg.run.actors
+        # the learner, the actors, and the SGLang server each actor launches (actor.engine sglang, no sglang.url)
+        launched = self.cfg.actor.engine == "sglang" and not self.cfg.sglang.url
+        want = 1 + self.cfg.run.actors * (2 if launched else 1)
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
         while True:
             endpoints = gather_endpoints(self.run_dir)

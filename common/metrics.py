@@ -132,6 +132,13 @@ class ActorMetrics(RedisMetrics):
         self.backpressure_seconds = Counter(
             "grpo_actor_backpressure_wait_seconds", "time spent waiting for the learner to catch up", registry=r
         )
+        self.engine_events = Counter(
+            "grpo_actor_engine_events",
+            "engine replies survived (sglang: cache_flush_retry, a weights load whose cache flush had to be asked "
+            "again; version_from_reply, /generate reporting another weight_version than /model_info)",
+            ["kind"],
+            registry=r,
+        )
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -193,13 +200,22 @@ class MetricsServer:
 # --- endpoints: where each process's /metrics is -----------------------------------------------------------------
 
 
-def register_endpoint(run_dir: str | os.PathLike[str], role: str, name: str, url: str) -> Path:
-    """Record this process's metrics URL under ``<run_dir>/endpoints.d/``; ``grpo run`` gathers them."""
+def register_endpoint(
+    run_dir: str | os.PathLike[str],
+    role: str,
+    name: str,
+    url: str,
+    *,
+    pid: int | None = None,
+    key: str = "metrics_url",
+) -> Path:
+    """Record a process's URL under ``<run_dir>/endpoints.d/``; ``grpo run`` gathers them. By default this process and
+    its metrics URL; a server it launched gives its own ``pid`` and ``key="url"``."""
     d = Path(run_dir) / "endpoints.d"
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{role}-{name}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"role": role, "name": name, "pid": os.getpid(), "metrics_url": url}))
+    tmp.write_text(json.dumps({"role": role, "name": name, "pid": pid or os.getpid(), key: url}))
     os.replace(tmp, path)
     return path
 

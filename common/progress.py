@@ -30,8 +30,9 @@ class Progress:
 
     def endpoints(self, endpoints: list[dict[str, Any]]) -> None:
         self.console.print(f"run [bold]{self.cfg.run.name}[/] in {self.cfg.run.dir}")
-        for e in endpoints:
-            self.console.print(f"  {e['name']:<10} pid {e['pid']:<8} {e['metrics_url']}", soft_wrap=True)
+        for e in endpoints:  # a SGLang server an actor launched is listed with its URL, under the actor's name
+            label, url = (f"{e['name']} sglang", e["url"]) if e["role"] == "sglang" else (e["name"], e["metrics_url"])
+            self.console.print(f"  {label:<10} pid {e['pid']:<8} {url}", soft_wrap=True)
         lc = self.cfg.learner
         kl = f"KL penalty beta={lc.beta}" if lc.beta > 0 else "KL penalty off (beta = 0)"
         self.console.print(

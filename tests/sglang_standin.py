@@ -10,6 +10,12 @@ Like SGLang it refuses unknown or mistyped ``sampling_params`` with HTTP 400, an
 prompt-major JSON list, reports ``weight_version``, and answers a failed weight update with ``success: false``.
 It only supports what the actor uses: plain temperature sampling (``top_p`` 1, ``top_k`` -1).
 
+What the real server does after a ``/generate`` reply, it does too: for ``busy_s`` seconds the scheduler is not idle
+yet (a ``/flush_cache?timeout=`` lets it settle sooner), so ``/update_weights_from_disk`` with ``flush_cache`` loads the weights and then answers HTTP 400 "Weights were
+updated, but the cache was not flushed …"; ``/generate`` then reports the new ``weight_version`` while
+``/model_info`` keeps the old one (the tokenizer side updates its version on success only) until
+``/update_weight_version``. ``/flush_cache`` answers in text: refused while busy, unless ``?timeout=`` lets it wait.
+
 In a test: ``StandIn(model_dir).start()`` (a thread; ``.url``, ``.requests``, ``.stop()``). As a process, with the
 launch arguments of ``sglang.launch_server``: ``python -m tests.sglang_standin --model-path M --port P``.
 """
@@ -19,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -36,12 +44,22 @@ class BadRequest(Exception):
 
 
 class StandIn:
-    def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 0, weight_version: str = "default"):
+    def __init__(
+        self,
+        model_path: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        weight_version: str = "default",
+        busy_s: float = 0.0,
+    ):
         from common.models import load_pretrained
 
         self.model_path = model_path
         self.tokenizer, self.model = load_pretrained(model_path, "float32", "cpu")
-        self.weight_version = weight_version
+        self.weight_version = weight_version  # what /model_info says (the tokenizer manager's)
+        self.scheduler_version = weight_version  # what /generate replies carry (the scheduler's)
+        self.busy_s = busy_s  # how long after a /generate reply the scheduler is not idle yet
+        self._busy_until = 0.0
         self.requests: list[tuple[str, Any]] = []  # (path, JSON body) of every POST, in order
         self.fail_next_update = False
         self.cache_flushes = 0
@@ -103,7 +121,8 @@ class StandIn:
                 self.model, prompts, n=n, max_new_tokens=int(params.get("max_new_tokens", 128)), stop_ids=stop_ids,
                 pad_id=self.tokenizer.pad_token_id or 0, temperature=temperature if temperature > 0 else None,
             )  # fmt: skip
-            version = self.weight_version
+            version = self.scheduler_version
+            self._busy_until = time.monotonic() + self.busy_s
         out = []
         for prompt, group in zip(prompts, groups, strict=True):
             for s in group:
@@ -146,10 +165,37 @@ class StandIn:
         with self._lock:
             load_into(self.model, state)
             if body.get("weight_version") is not None:
-                self.weight_version = str(body["weight_version"])
+                self.scheduler_version = str(body["weight_version"])
             if body.get("flush_cache", True):
+                if self._busy():
+                    message = ("Weights were updated, but the cache was not flushed because requests are still "
+                               "running or queued. Retract or finish them, then call /flush_cache.")  # fmt: skip
+                    return 400, {"success": False, "message": message, "num_paused_requests": 0}
                 self.cache_flushes += 1
+            self.weight_version = self.scheduler_version
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def _busy(self) -> bool:
+        return time.monotonic() < self._busy_until
+
+    def flush_cache(self, query: dict[str, list[str]]) -> tuple[int, str]:
+        timeout = float(query.get("timeout", ["0"])[0])
+        if timeout > 0:  # waiting lets what kept the scheduler busy finish, as the real one's requests do
+            self._busy_until = min(self._busy_until, time.monotonic() + 0.05)
+        deadline = time.monotonic() + timeout
+        while self._busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._busy():
+            return 400, "Cache not flushed: requests are running or queued.\n"
+        self.cache_flushes += 1
+        return 200, "Cache flushed.\nPlease check backend logs for more details.\n"
+
+    def update_weight_version(self, body: dict) -> tuple[int, dict]:
+        if not isinstance(body.get("new_version"), str):
+            raise BadRequest("new_version: missing or not str")
+        self.weight_version = self.scheduler_version = body["new_version"]
+        return 200, {"success": True, "message": f"Weight version updated to {body['new_version']}",
+                     "new_version": body["new_version"]}  # fmt: skip
 
     # -- the update group (SGLang's weight_updater: init/destroy, begin/end, update_weights_from_distributed) -------
 
@@ -235,7 +281,7 @@ class StandIn:
                 return 400, {"success": False, "message": f"Failed to update parameter online: unknown {unknown}"}
             self.model.load_state_dict(weights, strict=False)
             if body.get("weight_version") is not None:
-                self.weight_version = str(body["weight_version"])
+                self.weight_version = self.scheduler_version = str(body["weight_version"])
             if body.get("flush_cache", True):
                 self.cache_flushes += 1
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
@@ -256,9 +302,10 @@ class StandIn:
                 pass
 
             def _reply(self, status: int, body: Any) -> None:
-                raw = json.dumps(body).encode()
+                text = isinstance(body, str)  # /flush_cache answers in plain text
+                raw = body.encode() if text else json.dumps(body).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain" if text else "application/json")
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()
                 self.wfile.write(raw)
@@ -280,8 +327,13 @@ class StandIn:
                     self._reply(400, {"error": f"not JSON: {e}"})
                     return
                 standin.requests.append((self.path, body))
+                path, _, query = self.path.partition("?")
                 try:
-                    if self.path == "/generate":
+                    if path == "/flush_cache":
+                        self._reply(*standin.flush_cache(urllib.parse.parse_qs(query)))
+                    elif path == "/update_weight_version":
+                        self._reply(*standin.update_weight_version(body))
+                    elif self.path == "/generate":
                         self._reply(200, standin.generate(body))
                     elif self.path == "/update_weights_from_disk":
                         self._reply(*standin.update_weights(body))
@@ -303,8 +355,9 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--busy-s", type=float, default=0.0, help="seconds the scheduler stays busy after a /generate")
     args, _unknown = p.parse_known_args()  # like launch_server's other options, ignored
-    server = StandIn(args.model_path, args.host, args.port, args.weight_version)
+    server = StandIn(args.model_path, args.host, args.port, args.weight_version, args.busy_s)
     server.httpd.serve_forever()
 
 

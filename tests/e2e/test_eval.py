@@ -61,6 +61,7 @@ def test_eval_shows_what_a_run_taught(demo_model_dir: Path, tmp_path: Path, proc
 
     # The same evaluation through the sglang engine (a stand-in server the command launches): greedy agrees.
     sglang = ["-o", "actor.engine=sglang", "-o", "sglang.launch_module=tests.sglang_standin",
+              "-o", f"sglang.python={sys.executable}",
               "-o", f"run.dir={tmp_path / 'eval'}"]  # fmt: skip
     via = grpo_eval(run_dir / "weights" / "v000040", tmp_path / "sglang.json", *sglang)
     assert via["engine"] == "sglang" and via["pass_at_1"] == after["pass_at_1"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ def test_an_actor_killed_and_one_added_while_weights_go_over_nccl(  # type: igno
         "task.eval_size=5", "grader.isolation=inline", "checkpoint.every=4", "weights.transport=nccl",
         "weights.nccl_backend=gloo", "weights.nccl_address=127.0.0.1", "weights.nccl_timeout_s=4",
         "weights.disk_every=0", "actor.engine=sglang", "sglang.launch_module=tests.sglang_standin",
+        f"sglang.python={sys.executable}",
         "run.log_level=DEBUG", "learner.min_step_s=0.4",  # a run long enough for an actor to join it
     ]  # fmt: skip
     args = [a for s in settings for a in ("-o", s)]

@@ -5,6 +5,7 @@ installed, every request the actor sent (and every reply of the stand-in) is che
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -21,10 +22,13 @@ from common.schemas import decode_group
 from common.transport import Transport
 from common.weights import publish
 from tests.conftest import pid_alive
-from tests.integration.test_actor_process import actor_args
+from tests.integration.test_actor_process import actor_args, metric
 from tests.sglang_standin import StandIn
 
 pytestmark = pytest.mark.integration
+
+# The stand-in as the module an actor launches, with this interpreter (not SGLang's venv, which has no tests/).
+STANDIN_LAUNCH = ("-o", "sglang.launch_module=tests.sglang_standin", "-o", f"sglang.python={sys.executable}")
 
 
 def sglang_schema() -> ModuleType | None:
@@ -58,7 +62,8 @@ def test_requests_set_every_sampling_knob_and_replies_are_read_prompt_major() ->
         )  # fmt: skip
         assert p.get("n") == (2 if mode == "n" else None)
     items = [reply([5, 9], {"type": "stop", "matched": 9}), reply([6, 7], {"type": "length", "length": 2})] * 2
-    groups = parse_samples(items, 2, 2, 3)
+    groups, version = parse_samples(items, 2, 2)
+    assert version == "3"
     assert [[s.token_ids for s in g] for g in groups] == [[[5, 9], [6, 7]], [[5, 9], [6, 7]]]
     assert groups[0][1].finish_reason == "length" and groups[0][0].logprobs == [-0.5, -0.5]
 
@@ -68,7 +73,8 @@ def test_requests_set_every_sampling_knob_and_replies_are_read_prompt_major() ->
     [
         ([reply([1], {"type": "stop", "matched": 1})], "1 completions for 1 prompts x 2"),
         ([reply([1], {"type": "abort", "message": "x"})] * 2, "aborted"),
-        ([reply([1], {"type": "stop"}, version="2")] * 2, "weight_version '2'"),
+        ([reply([1], {"type": "stop"}, version="2"), reply([1], {"type": "stop"})],
+         r"mixed weight versions \['2', '3'\]"),
         ([{"output_ids": [1]}] * 2, "malformed"),
         ([{"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": []}}] * 2,
          "2 output ids but 0 log-probs"),
@@ -76,7 +82,7 @@ def test_requests_set_every_sampling_knob_and_replies_are_read_prompt_major() ->
 )  # fmt: skip
 def test_unusable_replies_are_errors(items: list, error: str) -> None:
     with pytest.raises(EngineError, match=error):
-        parse_samples(items, 1, 2, 3)
+        parse_samples(items, 1, 2)
 
 
 def check_with_sglang_schema(standin: StandIn, replies: bool = True) -> None:
@@ -97,7 +103,9 @@ def check_with_sglang_schema(standin: StandIn, replies: bool = True) -> None:
 def test_actor_with_sglang_engine_sends_groups_and_updates_the_server_weights(
     demo_model_dir: Path, redis_url: str, tmp_path: Path, processes
 ) -> None:  # type: ignore[no-untyped-def]
-    standin = StandIn(str(demo_model_dir)).start()  # started as SGLang is by default: weight_version "default"
+    # Started as SGLang is by default (weight_version "default"), and busy for a while after each reply, as the real
+    # server is: a weights update sent then loads but answers 400, "the cache was not flushed".
+    standin = StandIn(str(demo_model_dir), busy_s=60.0).start()
     try:
         t = Transport(RedisConfig(url=redis_url), "it")
         args = actor_args(
@@ -124,7 +132,12 @@ def test_actor_with_sglang_engine_sends_groups_and_updates_the_server_weights(
         updates = [body for path, body in standin.requests if path == "/update_weights_from_disk"]
         assert updates == [{"model_path": pub.announcement.uri, "weight_version": "5", "abort_all_requests": False,
                             "flush_cache": True}]  # fmt: skip
-        assert standin.cache_flushes == 1
+        # The 400 was taken as loaded: the actor had the cache flushed and /model_info brought up to date.
+        after = [path for path, _ in standin.requests[standin.requests.index(("/update_weights_from_disk",
+                                                                              updates[0])) + 1 :]]  # fmt: skip
+        assert after[:2] == ["/flush_cache?timeout=10", "/update_weight_version"]
+        assert standin.cache_flushes == 1 and standin.weight_version == "5"
+        assert "the server flushed its cache when asked again" in (tmp_path / "actor.log").read_text()
 
         # Every round sampled after the update is stamped 5 (one in flight during it may still be 0).
         def versions() -> list[int]:
@@ -141,7 +154,11 @@ def test_actor_with_sglang_engine_sends_groups_and_updates_the_server_weights(
         t.announce_weights(publish(model, None, tmp_path / "weights", 6, keep=2).announcement)
         assert wait_until(lambda: "the SGLang server refused them" in (tmp_path / "actor.log").read_text(), 60)
         assert proc.poll() is None
+        assert wait_until(lambda: standin.weight_version == "6", 60)  # and takes it at the next round's try
 
+        metrics_url = json.loads(next((tmp_path / "endpoints.d").glob("actor-*.json")).read_text())
+        flushes = sum(path.startswith("/flush_cache") for path, _ in standin.requests)
+        assert metric(metrics_url["metrics_url"], 'grpo_actor_engine_events_total{kind="cache_flush_retry"}') == flushes
         proc.terminate()
         assert proc.wait(timeout=30) == 0
         check_with_sglang_schema(standin)
@@ -154,14 +171,15 @@ def test_actor_launches_the_server_as_its_child_and_stops_it(
 ) -> None:  # type: ignore[no-untyped-def]
     t = Transport(RedisConfig(url=redis_url), "it")
     args = actor_args(
-        tiny_model_dir, tmp_path, redis_url, "-o", "actor.engine=sglang",
-        "-o", "sglang.launch_module=tests.sglang_standin", "-o", "actor.filter_zero_std=false",
-        "-o", "sglang.requests=separate",
+        tiny_model_dir, tmp_path, redis_url, "-o", "actor.engine=sglang", *STANDIN_LAUNCH,
+        "-o", "actor.filter_zero_std=false", "-o", "sglang.requests=separate",
     )  # fmt: skip
     proc = processes.grpo(*args, log=tmp_path / "actor.log")
     assert wait_until(lambda: t.stream_length() >= 4, 120), (tmp_path / "actor.log").read_text()
-    log = (tmp_path / "actor.log").read_text()
-    child = int(log.split("launched tests.sglang_standin (pid ")[1].split(")")[0])
+    # endpoints.json (grpo run gathers endpoints.d) lists the server under the actor's name, with its PID and URL
+    server = json.loads((tmp_path / "endpoints.d" / "sglang-actor-it.json").read_text())
+    assert server["role"] == "sglang" and server["url"].startswith("http://127.0.0.1:")
+    child = server["pid"]
     assert pid_alive(child)
     proc.terminate()
     assert proc.wait(timeout=60) == 0

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Create or reuse ./.venv-sglang: a SGLang 0.5.23 server's own environment (SGLang pins its own torch and
+# transformers, so it cannot share .venv). `actor.engine=sglang` launches its servers with this venv's python.
+#
+# - With an NVIDIA GPU: pip's SGLang 0.5.23 with its CUDA dependencies, as the actor image has it.
+# - Without one: torch 2.14.1, sglang 0.5.23 without its GPU dependencies, the runtime packages a CPU server
+#   imports, and SGLang's CPU kernel (sgl_kernel), which PyPI does not carry. The kernel comes from a directory
+#   `sglang-cpu/` under $GRPO_SHARED_DIR (or ../shared): its ready build when this venv's Python and torch are the
+#   ones it was built for, else built from the kernel source there (about 17 minutes on 2 cores).
+#
+# Prints the venv's python on the last line; exits 2, saying what is missing in one line, where it cannot be set up.
+# Re-running is cheap: a stamp records what was installed.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+VENV=${GRPO_SGLANG_VENV:-.venv-sglang}
+SGLANG_VERSION=0.5.23
+TORCH_VERSION=2.14.1
+say() { echo "sglang_env: $*" >&2; }
+pip_install() { "$VENV/bin/pip" install --quiet --disable-pip-version-check "$@"; }
+
+gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
+stamp="$VENV/.grpo-sglang-$SGLANG_VERSION-$([ $gpu = 1 ] && echo cuda || echo cpu)"
+if [ -f "$stamp" ] && [ -x "$VENV/bin/python" ]; then
+  echo "$VENV/bin/python"
+  exit 0
+fi
+
+# The CPU kernel's ready build is for CPython 3.11; any Python >= 3.10 works when the kernel is built from source.
+PYTHON=${SGLANG_PYTHON:-$(command -v python3.11 || command -v python3)}
+shared=${GRPO_SHARED_DIR:-}
+[ -n "$shared" ] || { [ -d ../shared ] && shared=$(cd ../shared && pwd); } || true
+kernel_dir=${shared:+$shared/sglang-cpu}
+if [ $gpu = 0 ] && { [ -z "$kernel_dir" ] || [ ! -d "$kernel_dir" ]; }; then
+  say "no GPU, and no SGLang CPU kernel: set GRPO_SHARED_DIR to a directory with sglang-cpu/ (a kernel build or its source), or build sgl-kernel's csrc/cpu from SGLang's source (sgl-kernel/pyproject_cpu.toml) into $VENV yourself"
+  exit 2
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+say "setting up $VENV (SGLang $SGLANG_VERSION, $([ $gpu = 1 ] && echo CUDA || echo CPU))"
+if [ $gpu = 1 ]; then
+  pip_install "sglang==$SGLANG_VERSION"
+else
+  # torch's CUDA build from PyPI: it runs on CPUs, and the only torchvision to be had needs it.
+  pip_install "torch==$TORCH_VERSION" torchvision
+  pip_install --no-deps "sglang==$SGLANG_VERSION"
+  # What a CPU server imports, found by launching one: SGLang's other requirements are GPU kernels.
+  pip_install -c <(echo "torch==$TORCH_VERSION") \
+    fastapi uvicorn uvloop orjson pyzmq msgspec "transformers==5.19.0" "tokenizers==0.23.2" safetensors \
+    huggingface_hub psutil requests setproctitle pybase64 python-multipart numpy pillow prometheus-client einops \
+    partial_json_parser packaging aiohttp tqdm pydantic regex IPython dill jsonschema "apache-tvm-ffi==0.1.11" \
+    "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf "openai==2.8.0" "xgrammar==0.2.7" "soundfile==0.13.1"
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  abi=$("$VENV/bin/python" -c 'import sys, torch; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.partition(chr(43))[0]}")')
+  ready=$(ls "$kernel_dir"/sgl_kernel-cpu-*-"$abi"-x86_64-*.tar.gz 2>/dev/null | head -1 || true)
+  if [ -n "$ready" ]; then
+    tar -xzf "$ready" -C "$site"
+  else
+    src=$(ls "$kernel_dir"/sgl-kernel-src-*.tar.gz 2>/dev/null | head -1 || true)
+    [ -n "$src" ] && [ -f "$kernel_dir/build_kernel.py" ] \
+      || { say "no ready kernel build for $abi and no kernel source in $kernel_dir"; exit 2; }
+    say "no ready kernel build for $abi: building it from $(basename "$src") (about 17 minutes on 2 cores)"
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    tar -xzf "$src" -C "$work"
+    kernel_src=$(dirname "$(find "$work" -path '*/csrc/cpu' -type d | head -1)")
+    kernel_src=$(dirname "$kernel_src")
+    pip_install ninja setuptools
+    (cd "$work" && SGL_KERNEL_SRC="$kernel_src" MAX_JOBS=${MAX_JOBS:-2} "$OLDPWD/$VENV/bin/python" \
+      "$kernel_dir/build_kernel.py" build_ext >"$work/build.log" 2>&1) \
+      || { say "building the kernel failed (it needs g++ and libnuma-dev); last lines:"; tail -5 "$work/build.log" >&2; exit 2; }
+    cp -r "$kernel_src/python/sgl_kernel" "$site/"
+    cp "$work"/build/lib*/sgl_kernel/common_ops*.so "$site/sgl_kernel/"
+  fi
+  "$VENV/bin/python" -c 'import sgl_kernel.common_ops' \
+    || { say "the SGLang CPU kernel does not load in $VENV (it links libnuma: apt-get install libnuma1)"; exit 2; }
+fi
+touch "$stamp"
+echo "$VENV/bin/python"
