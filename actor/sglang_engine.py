@@ -35,7 +35,7 @@ from common.config import Config
 from common.generation import Sample
 from common.schemas import WeightsAnnouncement
 from common.weight_sync import Round
-from common.weights import WeightsError, verify
+from common.weights import WeightsError, shape_mismatch, tensor_shapes, verify
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,9 @@ class SGLangEngine:
         self.stop_ids = _stop_ids(cfg.model.path, self.tokenizer)
         self.version = 0
         self.on_event = on_event  # engine incidents survived, by kind (grpo_actor_engine_events_total)
+        # A real server's scheduler dies on a checkpoint whose shapes differ from its model's (an assertion in its
+        # weight loader, then SGLang kills itself): new versions are checked against the served model's first.
+        self.shapes = tensor_shapes(cfg.model.path) if Path(cfg.model.path).is_dir() else {}
         self.server = None if sc.url else LaunchedServer(cfg, name)
         url = sc.url or self.server.url  # type: ignore[union-attr]
         self.client = SGLangClient(url, sc.timeout_s, sc.retries, self.server.gone if self.server else lambda: None)
@@ -272,6 +275,9 @@ class SGLangEngine:
     def load(self, ann: WeightsAnnouncement) -> int:
         """Verify the published directory against its digest, then have the server load it as our version."""
         nbytes = verify(ann)
+        if self.shapes and (problem := shape_mismatch(self.shapes, tensor_shapes(ann.uri))):
+            raise WeightsError(f"weights v{ann.version} do not fit the served model ({problem}): not sent to the "
+                               "SGLang server, which would die loading them")  # fmt: skip
         version = str(ann.version)
         body = {"model_path": ann.uri, "weight_version": version, "abort_all_requests": False, "flush_cache": True}
         reply = self.client.request("POST", "/update_weights_from_disk", body, ok_statuses=(400,))

@@ -301,6 +301,31 @@ def _tensors(m: Any, where: str) -> dict[str, torch.Tensor]:
         raise WeightsError(f"{where}: not a safetensors file ({type(e).__name__}: {e})") from None
 
 
+def tensor_shapes(directory: str | os.PathLike[str]) -> dict[str, list[int]]:
+    """Name → shape of every tensor in a directory's ``*.safetensors`` files, from their headers alone."""
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with path.open("rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > 100 * 2**20:
+                    raise ValueError(f"a header of {n} bytes")
+                header = json.loads(f.read(n))
+            shapes.update({k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WeightsError(f"{path}: not a safetensors file ({type(e).__name__}: {e})") from None
+    return shapes
+
+
+def shape_mismatch(served: dict[str, list[int]], new: dict[str, list[int]]) -> str | None:
+    """Why tensors named and shaped ``new`` cannot replace ``served`` in place, or None when they can (pure)."""
+    wrong = [f"{k} {new[k]} (served {served[k]})" for k in sorted(served.keys() & new.keys()) if new[k] != served[k]]
+    missing, unknown = sorted(served.keys() - new.keys()), sorted(new.keys() - served.keys())
+    problems = [f"shapes {', '.join(wrong[:3])}" if wrong else "", f"missing {missing[:3]}" if missing else "",
+                f"unknown {unknown[:3]}" if unknown else ""]  # fmt: skip
+    return "; ".join(p for p in problems if p) or None
+
+
 def verify(ann: WeightsAnnouncement) -> int:
     """Check a published version's files against its announced digest without loading them (for an engine that
     loads them itself, such as a SGLang server); returns their size in bytes. A missing, pruned or altered version

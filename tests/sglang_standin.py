@@ -11,10 +11,12 @@ prompt-major JSON list, reports ``weight_version``, and answers a failed weight 
 It only supports what the actor uses: plain temperature sampling (``top_p`` 1, ``top_k`` -1).
 
 What the real server does after a ``/generate`` reply, it does too: for ``busy_s`` seconds the scheduler is not idle
-yet (a ``/flush_cache?timeout=`` lets it settle sooner), so ``/update_weights_from_disk`` with ``flush_cache`` loads the weights and then answers HTTP 400 "Weights were
-updated, but the cache was not flushed …"; ``/generate`` then reports the new ``weight_version`` while
-``/model_info`` keeps the old one (the tokenizer side updates its version on success only) until
-``/update_weight_version``. ``/flush_cache`` answers in text: refused while busy, unless ``?timeout=`` lets it wait.
+yet (a ``/flush_cache?timeout=`` lets it settle sooner), so ``/update_weights_from_disk`` with ``flush_cache``
+loads the weights and then answers HTTP 400 "Weights were updated, but the cache was not flushed …"; ``/generate``
+then reports the new ``weight_version`` while ``/model_info`` keeps the old one (the tokenizer side updates its
+version on success only) until ``/update_weight_version``. ``/flush_cache`` answers in text: refused while busy,
+unless ``?timeout=`` lets it wait. A checkpoint whose shapes differ from the model's kills it, as an assertion in the
+real scheduler's weight loader kills the real server (a process dies with SIGKILL; a thread stops serving).
 
 In a test: ``StandIn(model_dir).start()`` (a thread; ``.url``, ``.requests``, ``.stop()``). As a process, with the
 launch arguments of ``sglang.launch_server``: ``python -m tests.sglang_standin --model-path M --port P``.
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import threading
 import time
 import urllib.parse
@@ -162,6 +166,9 @@ class StandIn:
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(str(f)))
+        params = self.model.state_dict()
+        if any(k in params and v.shape != params[k].shape for k, v in state.items()):
+            self.crash()
         with self._lock:
             load_into(self.model, state)
             if body.get("weight_version") is not None:
@@ -174,6 +181,13 @@ class StandIn:
                 self.cache_flushes += 1
             self.weight_version = self.scheduler_version
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def crash(self) -> None:
+        """What the real server does when its scheduler dies: the whole server goes, no reply."""
+        if self.thread is None:  # a process of its own
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=self.stop, daemon=True).start()
+        raise ConnectionAbortedError("the scheduler died")
 
     def _busy(self) -> bool:
         return time.monotonic() < self._busy_until

@@ -185,3 +185,31 @@ def test_actor_launches_the_server_as_its_child_and_stops_it(
     assert proc.wait(timeout=60) == 0
     assert wait_until(lambda: not pid_alive(child), 30), "the launched server outlived the actor"
     time.sleep(0.1)
+
+
+def test_a_version_that_does_not_fit_the_served_model_is_never_sent(demo_model_dir: Path, tmp_path: Path) -> None:
+    """A real server dies on a wrong-shaped checkpoint (so does the stand-in): the engine checks shapes first."""
+    from safetensors.torch import load_file, save_file
+
+    from actor.sglang_engine import SGLangEngine
+    from common.config import load_config
+    from common.weights import WeightsError, digest
+
+    standin = StandIn(str(demo_model_dir)).start()
+    try:
+        cfg = load_config(None, [f"model.path={demo_model_dir}", f"run.dir={tmp_path}", f"sglang.url={standin.url}"])
+        engine = SGLangEngine(cfg, seed=0)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(demo_model_dir)
+        ann = publish(model, None, tmp_path / "weights", 3, keep=2).announcement
+        state = load_file(f"{ann.uri}/model.safetensors")
+        state["model.norm.weight"] = torch.ones(7)
+        save_file(state, f"{ann.uri}/model.safetensors", metadata={"format": "pt"})
+        ann = type(ann)(version=3, uri=ann.uri, digest=digest(ann.uri)[0])
+        with pytest.raises(WeightsError, match=r"shapes model.norm.weight \[7\]"):
+            engine.load(ann)
+        assert not [p for p, _ in standin.requests if p == "/update_weights_from_disk"] and engine.version == 0
+        assert engine.client.healthy()
+    finally:
+        standin.stop()

@@ -183,3 +183,24 @@ def test_weights_on_a_network_filesystem_are_read_not_mapped(
     assert not mapped and remote.keys() == local.keys()
     assert all(torch.equal(remote[k], local[k]) for k in local)
     assert digest(ann.uri)[0] == ann.digest
+
+
+def test_shape_mismatch_names_what_does_not_fit() -> None:
+    from common.weights import shape_mismatch
+
+    served = {"a": [4, 2], "b": [3]}
+    assert shape_mismatch(served, {"a": [4, 2], "b": [3]}) is None
+    assert shape_mismatch(served, {"a": [4, 3], "b": [3]}) == "shapes a [4, 3] (served [4, 2])"
+    assert shape_mismatch(served, {"a": [4, 2], "c": [1]}) == "missing ['b']; unknown ['c']"
+
+
+def test_tensor_shapes_reads_headers_and_rejects_garbage(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from common.weights import WeightsError, tensor_shapes
+
+    save_file({"w": torch.zeros(2, 5), "b": torch.zeros(5)}, str(tmp_path / "model.safetensors"))
+    assert tensor_shapes(tmp_path) == {"w": [2, 5], "b": [5]}
+    (tmp_path / "z.safetensors").write_bytes(b"\xff" * 8 + b"{}")
+    with pytest.raises(WeightsError, match="not a safetensors file"):
+        tensor_shapes(tmp_path)
