@@ -4,4 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GRPO_EXTRAS=dev source scripts/venv.sh
+# -o actor.engine=sglang: the actors launch real SGLang servers, which run in a venv of their own.
+case " $* " in
+  *actor.engine=sglang*) ./scripts/sglang_env.sh >/dev/null ;;
+esac
 exec .venv/bin/grpo run "$@"
