@@ -52,6 +52,9 @@ def launch_command(cfg: Config, port: int) -> tuple[list[str], dict[str, str]]:
     if on_cpu(sc.device):
         cmd += sc.cpu_args
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        # The server's OpenMP threads would spin between kernels, on cores the learner and other servers share:
+        # measured on the demo with two actors on 2 cores, 3 groups/s spinning, 15 yielding.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return cmd + sc.launch_args, env
 
 

@@ -440,10 +440,11 @@ class CheckpointConfig(_Section):
 
 # SGLang's CPU backend as it runs with its CPU kernel: its default attention backend (intel_amx) needs a newer kernel
 # than the one SGLang 0.5.23 was released with, float32 has no rmsnorm kernel and `auto` would load an fp32 checkpoint
-# as float16 (log-probs off by nats), the overlap scheduler is GPU-only, and the KV cache takes a fraction of the
-# machine's memory, not of a GPU's.
+# as float16 (log-probs off by nats), the overlap scheduler is GPU-only, the KV cache takes a fraction of the
+# machine's memory, not of a GPU's, and an idle scheduler would otherwise poll at 100 % of a core, which the learner
+# and the other actors on the same CPUs need.
 SGLANG_CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "bfloat16",
-                   "--disable-overlap-schedule", "--mem-fraction-static", "0.05")  # fmt: skip
+                   "--disable-overlap-schedule", "--mem-fraction-static", "0.05", "--sleep-on-idle")  # fmt: skip
 
 
 class SGLangConfig(_Section):
