@@ -203,6 +203,7 @@ class SGLangEngine:
         self.stop_ids = _stop_ids(cfg.model.path, self.tokenizer)
         self.version = 0
         self.on_event = on_event  # engine incidents survived, by kind (grpo_actor_engine_events_total)
+        self._said_flush = False
         # A real server's scheduler dies on a checkpoint whose shapes differ from its model's (an assertion in its
         # weight loader, then SGLang kills itself): new versions are checked against the served model's first.
         self.shapes = tensor_shapes(cfg.model.path) if Path(cfg.model.path).is_dir() else {}
@@ -301,8 +302,11 @@ class SGLangEngine:
             reply = self.client.request("POST", f"/flush_cache?timeout={sc.flush_timeout_s:g}", ok_statuses=(400,),
                                         timeout_s=sc.flush_timeout_s + 30)  # fmt: skip
             if isinstance(reply, str) and reply.startswith("Cache flushed"):
-                log.info("weights v%d loaded; the server flushed its cache when asked again (attempt %d/%d)",
-                         version, attempt, sc.flush_attempts)  # fmt: skip
+                # Routine with a real server (about half the updates sent right after a reply): said once, then
+                # only counted (grpo_actor_engine_events_total) and logged at DEBUG.
+                level, self._said_flush = (logging.DEBUG if self._said_flush else logging.INFO), True
+                log.log(level, "weights v%d loaded; the server flushed its cache when asked again (attempt %d/%d; "
+                        "counted as engine event cache_flush_retry)", version, attempt, sc.flush_attempts)  # fmt: skip
                 return
             log.warning("weights v%d loaded, the cache not flushed yet: %s (attempt %d/%d)",
                         version, str(reply).strip(), attempt, sc.flush_attempts)  # fmt: skip

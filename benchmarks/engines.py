@@ -6,9 +6,10 @@
 Each engine samples the same rounds an actor samples (``actor.prompts_per_round`` prompts of the demo task ×
 ``actor.group_size``, at ``sampling.temperature``, up to ``sampling.max_new_tokens``), after one warm-up round, and
 the figure is completions/s and tokens/s of SGLang ÷ local's. Both engines get all of this machine's cores (the local
-engine's torch threads; the server's OpenMP threads). Models: the demo model (4 new tokens, as the demo samples), the
-demo model with 32 new tokens, and any ``--model`` given (an HF directory, e.g. a pretrained instruct model, with
-its chat template). Needs SGLang's venv (``scripts/sglang_env.sh``). Prints one JSON object.
+engine's torch threads; the server's OpenMP threads). Models: the demo model (up to 4 new tokens, as the demo samples
+them; it ends its answers after about 3) and any ``--model`` given (an HF directory, e.g. a pretrained instruct
+model, whose chat template the prompts then use), sampled as a real model's recipe would (4 prompts x 8 per round,
+up to 32 new tokens at temperature 0.7). Needs SGLang's venv (``scripts/sglang_env.sh``). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -77,12 +78,12 @@ def run(quick: bool, models: list[str] | None = None) -> dict:
 
     demo = str(ensure_tiny_model(seed=0, eval_size=20))
     rounds = 4 if quick else 12
-    cases = [("demo model, 4 new tokens", [f"model.path={demo}"]),
-             ("demo model, 32 new tokens", [f"model.path={demo}", "sampling.max_new_tokens=32"])]  # fmt: skip
-    for m in models or []:
-        cases.append((f"{Path(m).name}, 32 new tokens", [f"model.path={m}", "sampling.max_new_tokens=32",
-                                                          "sampling.temperature=0.7"]))  # fmt: skip
-    return {"cases": [case(name, overrides, rounds) for name, overrides in cases]}
+    cases = [("demo model", [f"model.path={demo}"], rounds)]
+    for m in models or []:  # a pretrained model: fewer, longer completions, as its recipe samples them
+        overrides = [f"model.path={m}", "sampling.max_new_tokens=32", "sampling.temperature=0.7",
+                     "actor.prompts_per_round=4"]  # fmt: skip
+        cases.append((f"{Path(m).name}", overrides, max(2, rounds // 2)))
+    return {"cases": [case(name, overrides, n) for name, overrides, n in cases]}
 
 
 def main() -> None:

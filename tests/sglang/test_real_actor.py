@@ -80,3 +80,20 @@ def test_grpo_run_with_real_servers_lists_them_and_leaves_nothing_running(
     assert not pid_alive(server["pid"]) and not group_members(server["pid"])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["unexplained"] == 0
+
+
+def test_b6_measures_both_engines_on_the_same_rounds(tmp_path: Path, sglang_python: str) -> None:
+    out = tmp_path / "b6.json"
+    env = {**os.environ, "GRPO_SGLANG_PYTHON": sglang_python}
+    cmd = [sys.executable, str(REPO / "benchmarks" / "engines.py"), "--quick", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (c,) = json.loads(out.read_text())["cases"]
+    want = c["rounds"] * c["prompts_per_round"] * c["group_size"]
+    for engine in ("local", "sglang"):
+        r = c[engine]
+        assert round(r["completions_per_s"] * r["seconds"]) == want  # every completion of every round, once
+        assert 1 <= r["mean_tokens"] <= c["max_new_tokens"]
+    assert c["completions_per_s_ratio"] == pytest.approx(
+        c["sglang"]["completions_per_s"] / c["local"]["completions_per_s"]
+    )
