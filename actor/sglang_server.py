@@ -26,13 +26,13 @@ from common.redis_server import free_port
 log = logging.getLogger(__name__)
 
 # scripts/sglang_env.sh makes it here, in the checkout this package runs from.
-_PROJECT_VENV = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
+PROJECT_VENV = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
 
 
 def server_python(configured: str) -> str:
     if configured:
         return configured
-    return str(_PROJECT_VENV) if _PROJECT_VENV.is_file() else sys.executable
+    return str(PROJECT_VENV) if PROJECT_VENV.is_file() else sys.executable
 
 
 def on_cpu(device: str) -> bool:

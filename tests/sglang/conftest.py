@@ -10,11 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from actor.sglang_server import _PROJECT_VENV
+from actor.sglang_server import PROJECT_VENV
 from common.config import Config, load_config
-
-# Each test here waits for real servers; CPU decoding and start-up on two cores are slow but bounded.
-pytestmark = pytest.mark.sglang
 
 
 def _kernel_dir() -> Path | None:
@@ -25,14 +22,14 @@ def _kernel_dir() -> Path | None:
 
 @pytest.fixture(scope="session")
 def sglang_python() -> str:
-    if _PROJECT_VENV.is_file():
-        return str(_PROJECT_VENV)
+    if PROJECT_VENV.is_file():
+        return str(PROJECT_VENV)
     if _kernel_dir() is None:
         pytest.skip(
             "no SGLang environment: on a machine without a GPU it needs SGLang's CPU kernel (GRPO_SHARED_DIR with "
             "sglang-cpu/), which is not here"
         )
-    pytest.fail(f"SGLang's CPU kernel is in {_kernel_dir()} but {_PROJECT_VENV} is missing: run scripts/sglang_env.sh")
+    pytest.fail(f"SGLang's CPU kernel is in {_kernel_dir()} but {PROJECT_VENV} is missing: run scripts/sglang_env.sh")
 
 
 def server_config(model: Path, run_dir: Path, python: str, *overrides: str) -> Config:
