@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from common.config import Config
@@ -95,6 +96,11 @@ class LaunchedServer:
     def stop(self) -> None:
         stop_process(self.proc, grace_s=30, name="sglang server")
         # What SGLang started (scheduler, detokenizer) is in the server's group; after the server itself has gone
-        # they exit on their own, and whatever has not is ended here.
+        # they exit on their own, and whatever has not is ended here, and waited for (briefly), so that nothing of
+        # it is still running when the actor has stopped.
+        deadline = time.monotonic() + 5.0
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+                os.killpg(self.proc.pid, 0)  # ProcessLookupError once the group is empty

@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.integration]
 
 
 def group_members(pgid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    """Processes of a process group still running (an exited one that is not reaped yet is not)."""
+    out = subprocess.run(["ps", "-o", "pid=,stat=", "-g", str(pgid)], capture_output=True, text=True).stdout
+    return [int(pid) for pid, stat in (line.split() for line in out.splitlines()) if not stat.startswith("Z")]
 
 
 def test_groups_are_stamped_and_a_killed_server_ends_the_actor_in_one_line(
