@@ -7,7 +7,7 @@
   ``weight_version`` must be the version the group is stamped with.
 - ``POST /update_weights_from_disk`` with a published version's directory (checked against its digest first) and our
   version number; ``flush_cache`` so that no prefix-cache entry computed with old weights serves a new request. Sent
-  right after a ``/generate`` reply, a real server usually answers HTTP 400 "Weights were updated, but the cache was
+  right after a ``/generate`` reply, a real server may answer HTTP 400 "Weights were updated, but the cache was
   not flushed because requests are still running or queued": the weights *are* loaded (and later replies carry the
   new ``weight_version``), so the actor asks ``/flush_cache?timeout=…`` until the server takes it (bounded, logged,
   counted) and then ``/update_weight_version``, which brings ``/model_info`` up to date (it is not, after that 400).
@@ -302,7 +302,7 @@ class SGLangEngine:
             reply = self.client.request("POST", f"/flush_cache?timeout={sc.flush_timeout_s:g}", ok_statuses=(400,),
                                         timeout_s=sc.flush_timeout_s + 30)  # fmt: skip
             if isinstance(reply, str) and reply.startswith("Cache flushed"):
-                # Routine with a real server (about half the updates sent right after a reply): said once, then
+                # Routine with a real server (some updates sent right after a reply): said once, then
                 # only counted (grpo_actor_engine_events_total) and logged at DEBUG.
                 level, self._said_flush = (logging.DEBUG if self._said_flush else logging.INFO), True
                 log.log(level, "weights v%d loaded; the server flushed its cache when asked again (attempt %d/%d; "
