@@ -272,14 +272,19 @@ _DTYPES = {
 }  # fmt: skip
 
 
+def _header(m: Any) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header, read from a buffer that holds at least it, and where its data starts."""
+    (n,) = struct.unpack_from("<Q", m, 0)
+    header = json.loads(bytes(m[8 : 8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a map")
+    return header, 8 + n
+
+
 def _tensors(m: Any, where: str) -> dict[str, torch.Tensor]:
     """The tensors of one safetensors file, as views of its buffer."""
     try:
-        (n,) = struct.unpack_from("<Q", m, 0)
-        header = json.loads(bytes(m[8 : 8 + n]))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a map")
-        start = 8 + n
+        header, start = _header(m)
         out: dict[str, torch.Tensor] = {}
         for name, info in header.items():
             if name == "__metadata__":
@@ -307,12 +312,13 @@ def tensor_shapes(directory: str | os.PathLike[str]) -> dict[str, list[int]]:
     for path in sorted(Path(directory).glob("*.safetensors")):
         try:
             with path.open("rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
+                prefix = f.read(8)
+                (n,) = struct.unpack("<Q", prefix)
                 if n > 100 * 2**20:
                     raise ValueError(f"a header of {n} bytes")
-                header = json.loads(f.read(n))
+                header, _ = _header(prefix + f.read(n))
             shapes.update({k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-        except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, struct.error, ValueError, KeyError, TypeError) as e:
             raise WeightsError(f"{path}: not a safetensors file ({type(e).__name__}: {e})") from None
     return shapes
 
