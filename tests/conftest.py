@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,3 +122,23 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def wrong_shaped_copy(good: Any, directory: Path, version: int, extra: int) -> Any:
+    """A copy of the published version ``good`` whose ``model.norm.weight`` has ``extra`` more elements, with a
+    digest that matches it: a version every check but the shapes passes (a real SGLang server dies loading it)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from common.schemas import WeightsAnnouncement
+    from common.weights import digest
+
+    shutil.copytree(good.uri, directory)
+    state = load_file(str(directory / "model.safetensors"))
+    state["model.norm.weight"] = torch.ones(state["model.norm.weight"].numel() + extra)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    checked, _ = digest(directory)
+    (directory / "digest").write_text(checked + "\n")
+    return WeightsAnnouncement(version=version, uri=str(directory), digest=checked)

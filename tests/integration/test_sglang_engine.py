@@ -21,7 +21,7 @@ from common.procs import wait_until
 from common.schemas import decode_group
 from common.transport import Transport
 from common.weights import publish
-from tests.conftest import pid_alive
+from tests.conftest import pid_alive, wrong_shaped_copy
 from tests.integration.test_actor_process import actor_args, metric
 from tests.sglang_standin import StandIn
 
@@ -189,11 +189,9 @@ def test_actor_launches_the_server_as_its_child_and_stops_it(
 
 def test_a_version_that_does_not_fit_the_served_model_is_never_sent(demo_model_dir: Path, tmp_path: Path) -> None:
     """A real server dies on a wrong-shaped checkpoint (so does the stand-in): the engine checks shapes first."""
-    from safetensors.torch import load_file, save_file
-
     from actor.sglang_engine import SGLangEngine
     from common.config import load_config
-    from common.weights import WeightsError, digest
+    from common.weights import WeightsError
 
     standin = StandIn(str(demo_model_dir)).start()
     try:
@@ -202,13 +200,10 @@ def test_a_version_that_does_not_fit_the_served_model_is_never_sent(demo_model_d
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(demo_model_dir)
-        ann = publish(model, None, tmp_path / "weights", 3, keep=2).announcement
-        state = load_file(f"{ann.uri}/model.safetensors")
-        state["model.norm.weight"] = torch.ones(7)
-        save_file(state, f"{ann.uri}/model.safetensors", metadata={"format": "pt"})
-        ann = type(ann)(version=3, uri=ann.uri, digest=digest(ann.uri)[0])
-        with pytest.raises(WeightsError, match=r"shapes model.norm.weight \[7\]"):
-            engine.load(ann)
+        good = publish(model, None, tmp_path / "weights", 2, keep=2).announcement
+        bad = wrong_shaped_copy(good, tmp_path / "weights" / "v000003", 3, extra=7)
+        with pytest.raises(WeightsError, match=r"shapes model.norm.weight \[103\] \(served \[96\]\)"):
+            engine.load(bad)
         assert not [p for p, _ in standin.requests if p == "/update_weights_from_disk"] and engine.version == 0
         assert engine.client.healthy()
     finally:

@@ -5,19 +5,17 @@ replies where it models them."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from actor.sglang_engine import SGLangEngine, generate_request
 from common.grpo import token_logprobs
 from common.models import load_pretrained
-from common.schemas import WeightsAnnouncement
-from common.weights import WeightsError, digest, publish
+from common.weights import WeightsError, publish
+from tests.conftest import wrong_shaped_copy
 from tests.sglang_standin import StandIn
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -141,17 +139,11 @@ def test_a_wrong_shaped_checkpoint_is_refused_and_changes_nothing(
     batch = prompts(real_engine)
     before = real_engine.generate(batch, 1, greedy=True)
 
-    bad_dir = tmp_path / "weights" / "v000021"
-    shutil.copytree(good.uri, bad_dir)
-    state = load_file(str(bad_dir / "model.safetensors"))
-    state["model.norm.weight"] = torch.ones(state["model.norm.weight"].numel() + 3)
-    save_file(state, str(bad_dir / "model.safetensors"), metadata={"format": "pt"})
-    checked, _ = digest(bad_dir)
-    (bad_dir / "digest").write_text(checked + "\n")
+    bad = wrong_shaped_copy(good, tmp_path / "weights" / "v000021", 21, extra=3)
     # A real server's scheduler dies on it (an assertion in its weight loader, then SGLang kills itself): the engine
     # checks the shapes first and never sends it.
     with pytest.raises(WeightsError, match=r"do not fit the served model \(shapes model.norm.weight \[99\]") as refused:
-        real_engine.load(WeightsAnnouncement(version=21, uri=str(bad_dir), digest=checked))
+        real_engine.load(bad)
     print(f"a wrong-shaped checkpoint: {refused.value}")
     assert real_engine.version == 20
     assert real_engine.client.request("GET", "/model_info")["weight_version"] == "20"
