@@ -3,6 +3,11 @@
 What comes back for each completion is what SGLang's ``/generate`` returns with ``return_logprob``: the sampled token
 ids (up to and including the end-of-sequence token), the log-prob of each under the temperature-scaled distribution
 over the whole vocabulary, and a finish reason (``stop`` at end-of-sequence, ``length`` at ``max_new_tokens``).
+
+Memory: a real vocabulary is large (49,152 tokens for SmolLM2, 151,936 for Qwen2.5), so the full-vocabulary logits
+of every step are never kept. While sampling, :class:`SampledLogprobs` keeps one step's log-softmax at a time and,
+at the next step, only the log-prob of the token that was drawn: one (rows × vocabulary) tensor however long the
+completions. Greedy decoding (evaluation) records nothing.
 """
 
 from __future__ import annotations
@@ -12,8 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from common.grpo import token_logprobs
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,40 @@ def pad_token_id(tokenizer: Any, stop_ids: set[int]) -> int:
     return int(pad if pad is not None else min(stop_ids))
 
 
+class SampledLogprobs:
+    """A logits processor that records, for every row, the log-prob of each sampled token under
+    ``softmax(logits / temperature)``.
+
+    ``generate`` calls it with each step's logits before it draws a token (before its own temperature warper: custom
+    processors run ahead of the sampling warpers), and with that token appended to ``input_ids`` at the next step; the
+    last step's token is gathered by :meth:`finish`. It returns the scores unchanged."""
+
+    def __init__(self, temperature: float, prompt_width: int):
+        self.temperature = temperature
+        self.prompt_width = prompt_width
+        self.pending: torch.Tensor | None = None  # the current step's log-softmax, (rows, vocabulary)
+        self.taken: list[torch.Tensor] = []  # one (rows,) tensor per generated token
+
+    def _gather(self, tokens: torch.Tensor) -> None:
+        assert self.pending is not None
+        self.taken.append(self.pending.gather(1, tokens.view(-1, 1)).squeeze(1))
+        self.pending = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.prompt_width:
+            self._gather(input_ids[:, -1])
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """(rows, steps) log-probs of ``new_tokens``, the tokens generated after the prompt."""
+        if self.pending is not None:
+            self._gather(new_tokens[:, len(self.taken)])
+        if not self.taken:
+            return new_tokens.new_zeros(new_tokens.shape, dtype=torch.float)
+        return torch.stack(self.taken, dim=1)
+
+
 @torch.no_grad()
 def generate(
     model: Any,
@@ -60,8 +97,11 @@ def generate(
     stop_ids: set[int],
     pad_id: int,
     temperature: float | None,
+    greedy_logprobs: bool = False,
 ) -> list[list[Sample]]:
-    """``n`` completions for each prompt (prompt-major), sampled at ``temperature`` or greedy when it is None."""
+    """``n`` completions for each prompt (prompt-major), sampled at ``temperature`` or greedy when it is None.
+    Greedy completions carry log-probs (at temperature 1, as a SGLang server reports them) only when
+    ``greedy_logprobs`` asks for them."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     # Left padding: every row's next token comes right after its last prompt token.
@@ -71,6 +111,7 @@ def generate(
         ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
         attn[i, width - len(p) :] = 1
     greedy = temperature is None
+    record = SampledLogprobs(temperature or 1.0, width) if not greedy or greedy_logprobs else None
     out = model.generate(
         input_ids=ids.to(device),
         attention_mask=attn.to(device),
@@ -87,17 +128,16 @@ def generate(
         max_new_tokens=max_new_tokens,
         eos_token_id=sorted(stop_ids),
         pad_token_id=pad_id,
-        output_logits=True,
+        logits_processor=[record] if record else None,
         return_dict_in_generate=True,
     )
     new_tokens = out.sequences[:, width:]
-    steps = new_tokens.shape[1]
-    logits = torch.stack(out.logits[:steps], dim=1)  # raw logits (B·n, steps, V), before any processor
-    logps = token_logprobs(logits, new_tokens, temperature or 1.0).cpu()
+    # Greedy answers carry no log-probs unless asked for: nothing trains on them.
+    logps = record.finish(new_tokens).cpu().tolist() if record else None
     rows: list[list[Sample]] = []
     for i, row in enumerate(new_tokens.cpu().tolist()):
         tokens, reason = split_at_stop(row, stop_ids)
-        sample = Sample(tokens, logps[i, : len(tokens)].tolist(), reason)
+        sample = Sample(tokens, logps[i][: len(tokens)] if logps else [], reason)
         if i % n == 0:
             rows.append([])
         rows[-1].append(sample)

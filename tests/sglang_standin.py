@@ -124,6 +124,7 @@ class StandIn:
             groups = generate(
                 self.model, prompts, n=n, max_new_tokens=int(params.get("max_new_tokens", 128)), stop_ids=stop_ids,
                 pad_id=self.tokenizer.pad_token_id or 0, temperature=temperature if temperature > 0 else None,
+                greedy_logprobs=bool(body.get("return_logprob")),  # a real server reports them at temperature 0 too
             )  # fmt: skip
             version = self.scheduler_version
             self._busy_until = time.monotonic() + self.busy_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -108,3 +109,32 @@ def test_warm_start_leaves_the_demo_model_at_its_documented_starting_point(demo_
     assert 0.1 <= accuracy(model, tok, task.all, greedy=False) <= 0.45  # sampled reward starts near 0.3
     assert accuracy(model, tok, task.eval, greedy=True) <= 0.1  # greedy: the habit (a space) wins
     assert accuracy(model, tok, task.eval, greedy=True, strict=False) >= 0.95  # ... but the sums are known
+
+
+def probe_memory(model: str, rows: int, steps: int) -> dict:
+    """Sample ``rows`` completions of ``steps`` tokens in a process of its own (tests/memory_probe.py) and check that
+    its peak memory grew by no more than the KV cache, a few steps' logits and some slack: what keeping every
+    step's full-vocabulary logits (4 copies, as transformers' ``output_logits`` did) would multiply many times.
+
+    Every allocation of 1 MiB or more is its own mapping (``MALLOC_MMAP_THRESHOLD_``), returned when freed: the peak
+    then measures what generation holds, not the freed blocks glibc's heap may keep (which made the same run's
+    growth anywhere from 13 to 420 MiB; the README quotes both)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.memory_probe", model, str(rows), str(steps)],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    m = json.loads(done.stdout.strip().splitlines()[-1])
+    assert m["lengths"] == [steps]  # every row ran every step: the worst case
+    one_step_mib = rows * m["vocabulary"] * 4 / 2**20
+    bound = m["kv_cache_mib"] + 8 * one_step_mib + 64
+    assert m["growth_mib"] < bound, m
+    assert bound < m["all_logits_mib"]  # the bound means something: all steps' logits would not fit under it
+    return m
+
+
+def test_sampling_keeps_one_steps_logits_not_every_steps() -> None:
+    """A 49,152-token vocabulary (SmolLM2's): 64 rows × 48 steps of logits are 576 MiB a copy; sampling grows the
+    peak by a few steps' worth."""
+    probe_memory("vocab:49152", rows=64, steps=48)
