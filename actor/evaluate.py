@@ -78,13 +78,13 @@ def evaluate(cfg: Any, n: int) -> dict[str, Any]:
     import torch
 
     from actor.engine import make_engine
-    from common.config import check_model_path
     from common.evaluation import score_problems, summarise
+    from common.model_import import prepare_model_path
     from common.tasks import PromptEncoder, eval_problems
     from grader.pool import open_grader
 
     torch.set_num_threads(cfg.actor.torch_threads)
-    check_model_path(cfg.model.path)
+    prepare_model_path(cfg)
     problems = eval_problems(cfg.task, cfg.run.seed)
     t0 = time.perf_counter()
     engine = make_engine(cfg, seed=cfg.run.seed)

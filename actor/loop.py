@@ -23,10 +23,11 @@ from prometheus_client import CollectorRegistry
 from actor.engine import Engine, EngineError, make_engine
 from actor.filter import Decision, ZeroStdFilter, filtered_stats
 from actor.nccl import NcclEngine, Receiver, supports_nccl
-from common.config import Config, check_model_path
+from common.config import Config
 from common.generation import Sample
 from common.grpo import overlong_penalty
 from common.metrics import ActorMetrics, MetricsServer, register_endpoint
+from common.model_import import prepare_model_path
 from common.models import max_positions
 from common.schemas import Completion, FilteredStats, GroupMessage, encode_group
 from common.tasks import Problem, PromptEncoder, make_task
@@ -323,7 +324,7 @@ def prompt_token_limit(cfg: Config) -> int | None:
 
 def run_actor(cfg: Config) -> int:
     torch.set_num_threads(cfg.actor.torch_threads)
-    check_model_path(cfg.model.path)
+    prepare_model_path(cfg)
     actor_id = cfg.actor.id or f"{socket.gethostname()}-{os.getpid()}"
     registry = CollectorRegistry()
     metrics = ActorMetrics(registry)

@@ -48,6 +48,11 @@ def time_to_target(c: dict[str, list[float]], window: int = 5) -> float | None:
     return None
 
 
+def time_to_accuracy(c: dict[str, list[float]], target: float) -> float | None:
+    """Seconds until the greedy held-out accuracy first reaches ``target``."""
+    return next((t for t, a in zip(c["eval_seconds"], c["accuracy"], strict=True) if a >= target), None)
+
+
 # One actor, its round a whole batch, nothing filtered: what a synchronous loop needs (see actor.synchronous).
 PAIR = ["run.actors=1", "actor.prompts_per_round=32", "learner.batch_groups=32", "actor.filter_zero_std=false"]
 

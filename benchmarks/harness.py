@@ -14,10 +14,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
-def grpo_run(overrides: list[str], run_dir: Path, timeout_s: float = 1200) -> list[dict[str, Any]]:
-    """Run ``grpo run --plain -o ...`` with ``run.dir=run_dir`` to its end; its metrics.jsonl rows. A failed run
-    ends the benchmark with its output."""
-    cmd = [sys.executable, "-m", "common.cli", "run", "--plain"]
+def grpo_run(
+    overrides: list[str], run_dir: Path, timeout_s: float = 1800, config: str | None = None
+) -> list[dict[str, Any]]:
+    """Run ``grpo run --plain [--config config] -o ...`` with ``run.dir=run_dir`` to its end; its metrics.jsonl
+    rows. A failed run ends the benchmark with its output."""
+    cmd = [sys.executable, "-m", "common.cli", "run", "--plain", *(["--config", config] if config else [])]
     for o in [*overrides, f"run.dir={run_dir}"]:
         cmd += ["-o", o]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)

@@ -35,7 +35,8 @@ def _reward_and_accuracy(result: dict[str, Any], png: Path, what: str, runs: lis
     for run, label, style in runs:
         ax_r.plot(run["seconds"], run["reward"], label=label, linewidth=1, **style)
         ax_a.plot(run["eval_seconds"], run["accuracy"], marker="o", markersize=3, label=label, **style)
-    ax_r.axhline(result["target_reward"], color="grey", linewidth=0.5)
+    target_axis = ax_r if result.get("target", "reward") == "reward" else ax_a
+    target_axis.axhline(result.get("target_value", result.get("target_reward")), color="grey", linewidth=0.5)
     ax_r.set(xlabel="wall-clock seconds", ylabel="reward (every sampled completion)", title=f"{what}: reward")
     ax_a.set(xlabel="wall-clock seconds", ylabel="greedy held-out accuracy", title=f"{what}: eval/accuracy")
     ax_r.legend(fontsize=8)
@@ -98,4 +99,4 @@ def versus_trl(result: dict[str, Any], png: Path) -> bool:
         )
         for run in result["runs"]
     ]
-    return _reward_and_accuracy(result, png, "B2", runs)
+    return _reward_and_accuracy(result, png, f"B2 ({result.get('setting', 'demo')})", runs)

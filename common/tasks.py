@@ -9,6 +9,12 @@ every process must load the same rows (a file, a local dataset or a pinned hub r
 ``addition``: the 100 sums ``"3+5="`` → ``"8"``, split once by ``run.seed`` into ``task.eval_size`` held-out problems
 and the training prompts.
 
+``arithmetic``: ``a op b`` for every ordered pair of operands in ``task.operands`` (``task.operation`` ``+`` or
+``*``), the reference being the result. Held-out problems are chosen by *pair*: both ``7*8`` and ``8*7`` are held out
+or both are trained on, so no held-out problem is a training problem written the other way round. Pairs are drawn by
+``run.seed`` until at least ``task.eval_size`` problems are held out. The prompt is ``task.prompt_template`` of
+``{a}``, ``{op}``, ``{b}`` and ``{expression}`` (empty: ``"7*8="``).
+
 ``dataset``: rows from ``task.path``, one of
 
 - a ``.jsonl`` file (one JSON object per line), a ``.json`` file (a list of objects, or JSON lines) or a
@@ -88,6 +94,31 @@ def addition_problems() -> list[Problem]:
 def addition_task(eval_size: int = 20, seed: int = 0) -> Task:
     train, held_out = _hold_out(addition_problems(), eval_size, seed, "the addition task")
     return Task("addition", train, held_out, seed)
+
+
+def arithmetic_task(cfg: TaskConfig, seed: int) -> Task:
+    """The ``arithmetic`` task (see the module docstring)."""
+    low, high = cfg.operands
+    op = cfg.operation
+    template = cfg.prompt_template or "{expression}="
+    pairs = [(a, b) for a in range(low, high + 1) for b in range(a, high + 1)]
+    random.Random(seed).shuffle(pairs)
+    total = (high - low + 1) ** 2
+    if cfg.eval_size >= total:
+        raise ConfigError(
+            f"config error: task.eval_size: the arithmetic task has {total} problems, got {cfg.eval_size}"
+        )
+    train: list[Problem] = []
+    held_out: list[Problem] = []
+    for a, b in pairs:
+        side = held_out if len(held_out) < cfg.eval_size else train
+        for x, y in {(a, b), (b, a)}:
+            expression = f"{x}{op}{y}"
+            fields = {"a": x, "b": y, "op": op, "expression": expression}
+            prompt = template.format_map(fields)
+            result = x + y if op == "+" else x * y
+            side.append(Problem(f"arith-{x}{'-plus-' if op == '+' else '-times-'}{y}", prompt, str(result)))
+    return Task("arithmetic", sorted(train, key=lambda p: p.id), sorted(held_out, key=lambda p: p.id), seed)
 
 
 # --- datasets -----------------------------------------------------------------------------------------------------
@@ -209,6 +240,8 @@ def _eval_split(cfg: TaskConfig, source: str) -> list[Problem]:
 def make_task(cfg: TaskConfig, seed: int) -> Task:
     if cfg.name == "addition":
         return addition_task(cfg.eval_size, seed)
+    if cfg.name == "arithmetic":
+        return arithmetic_task(cfg, seed)
     if not cfg.path:
         raise ConfigError("config error: task.path: empty; task.name=dataset needs a file, a directory or a hub name")
     rows = load_rows(cfg.path, cfg.subset, cfg.train_split)

@@ -22,10 +22,11 @@ from typing import Any, cast
 import torch
 from prometheus_client import CollectorRegistry
 
-from common.config import Config, ConfigError, check_model_path, write_resolved
+from common.config import Config, ConfigError, write_resolved
 from common.evaluation import score_problems, summarise
 from common.generation import generate, pad_token_id, stop_token_ids
 from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
+from common.model_import import prepare_model_path
 from common.models import load_pretrained
 from common.schemas import GroupMessage, SchemaError, WeightsAnnouncement, decode_group, encode_group
 from common.tasks import PromptEncoder, eval_problems
@@ -521,7 +522,7 @@ def load_models(cfg: Config, device: str | None = None) -> tuple[Any, Any, Any]:
 def run_learner(cfg: Config) -> int:
     torch.set_num_threads(cfg.learner.torch_threads)
     torch.manual_seed(cfg.run.seed)
-    check_model_path(cfg.model.path)
+    prepare_model_path(cfg)
     ranks = Ranks.from_env(cfg.model.device)  # under torchrun: this process's rank, its device
     try:
         if ranks is not None:
