@@ -6,7 +6,9 @@ Departures from the textbook, each a config choice (the loss itself is learner.l
 - old log-probs are by default the learner's own, computed without grad at the start of the step (``proximal``:
   AReaL's decoupled PPO — the clip then bounds the move from the *current* policy, not from whichever stale copy an
   actor used), and the behaviour policy is corrected for with importance weights (learner.loss.importance_weights);
-  ``behavior`` takes the engine's log-probs as the denominator, one forward pass cheaper, with no correction;
+  ``behavior`` takes the engine's log-probs as the denominator, one forward pass cheaper, with no correction. With
+  one update per batch (``updates_per_batch`` 1) the proximal policy *is* the policy being trained, before its only
+  update: its log-probs are taken from the training forward itself (detached), and the scoring pass is skipped;
 - each batch is shuffled and split into ``updates_per_batch`` mini-batches, one AdamW step each, each made of
   ``grad_accum`` micro-batches whose gradients are accumulated; ``dapo`` divides by the whole mini-batch's token
   count and ``grpo``/``dr_grpo`` weight each micro-batch by its share of rows, so accumulation does not change
@@ -59,6 +61,9 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, warmup=lc.warmup_steps, total=total, schedule=lc.lr_schedule)
         )
         self.generator = torch.Generator().manual_seed(cfg.run.seed)
+        # Proximal log-probs from the training forward when a batch gets one update (see the module docstring);
+        # False forces the separate scoring pass (the tests compare the two).
+        self.fuse_proximal = lc.old_logprobs == "proximal" and lc.updates_per_batch == 1
 
     def autocast(self) -> Any:
         """Forward passes in bfloat16 under ``learner.autocast`` while parameters and AdamW's state keep
@@ -80,7 +85,7 @@ class Trainer:
             # DAPO's overlong filtering: a cut-off answer is neither right nor wrong, so it teaches nothing.
             mask = mask * (~batch.truncated).to(mask.dtype).unsqueeze(1)
         adv, shaping = self.advantages(batch)
-        old, is_weights, seen = self.old_logprobs(batch, mask)
+        old, is_weights, seen = (None, None, {}) if self.fuse_proximal else self.old_logprobs(batch, mask)
         ref = self._scored(self.reference, batch, mask)[0] if self.reference is not None else None
         stats, first = self.update(batch, mask, adv, old, is_weights, ref)
         stats |= seen or first  # behaviour mode: what the policy looked like, from the first mini-batch
@@ -129,16 +134,18 @@ class Trainer:
         batch: Batch,
         mask: torch.Tensor,
         adv: torch.Tensor,
-        old: torch.Tensor,
+        old: torch.Tensor | None,
         is_weights: torch.Tensor | None,
         ref: torch.Tensor | None,
     ) -> tuple[dict[str, float], dict[str, float]]:
         """``updates_per_batch`` AdamW steps over shuffled mini-batches of ``grad_accum`` micro-batches each (sizes
         as even as possible). Returns the metrics (token-weighted means) and, in behaviour mode, what the first
-        micro-batch saw before any update (proximal mode measured it in its scoring pass already)."""
+        micro-batch saw before any update (proximal mode measured it in its scoring pass already). ``old`` None:
+        the proximal log-probs are each micro-batch's own, before the batch's single update (:class:`Fused`)."""
         lc, temp = self.cfg.learner, self.cfg.sampling.temperature
         weighted: dict[str, float] = defaultdict(float)
         per_update: dict[str, float] = defaultdict(float)
+        fused = Fused(mask) if old is None else None
         first = Seen() if lc.old_logprobs == "behavior" else None
         first_taken = False
         tokens_seen = 0.0
@@ -160,9 +167,15 @@ class Trainer:
                     # its slice of the same one.
                     first.add(logp_all.detach(), logprobs.detach(), batch, mask, mine)
                     first_taken = True
+                w_mine: torch.Tensor | None
+                if fused is not None:
+                    old_mine, w_mine = fused.add(logp_all.detach(), logprobs.detach(), batch, mine, lc)
+                else:
+                    assert old is not None
+                    old_mine, w_mine = old[mine], None if is_weights is None else is_weights[mine]
                 loss, m = grpo_loss(
                     logprobs,
-                    old[mine],
+                    old_mine,
                     adv[mine],
                     mask[mine],
                     loss_type=lc.loss_type,
@@ -171,7 +184,7 @@ class Trainer:
                     beta=lc.beta,
                     ref_logprobs=None if ref is None else ref[mine],
                     max_completion_length=self.cfg.sampling.max_new_tokens,
-                    is_weights=None if is_weights is None else is_weights[mine],
+                    is_weights=w_mine,
                     # dapo: the optimizer step's token count, so accumulation gives one big mini-batch's gradient
                     num_tokens=step_tokens,
                 )
@@ -210,11 +223,12 @@ class Trainer:
             tokens_seen, per_update["loss"] = total[-2], total[-1]
             if first is not None:
                 first.reduce(self.ranks)
+        seen = fused.finish(batch, lc, self.ranks) if fused is not None else first.stats() if first is not None else {}
         stats = {k: v / max(tokens_seen, 1.0) for k, v in weighted.items()}
         stats |= {k: v / lc.updates_per_batch for k, v in per_update.items() if k != "updates_skipped_nonfinite"}
         stats["updates_skipped_nonfinite"] = per_update["updates_skipped_nonfinite"]
         stats["lr"] = used_lr  # the rate the step's last update used
-        return stats, first.stats() if first is not None else {}
+        return stats, seen
 
     @torch.no_grad()
     def _scored(
@@ -283,3 +297,31 @@ class Seen:
         if self.fresh_tokens:
             out["mismatch/logprob_abs_mean"] = self.mismatch / self.fresh_tokens
         return out
+
+
+class Fused:
+    """Proximal log-probs gathered from the training forward (one update per batch): each micro-batch's own, detached,
+    with their importance weights; at the end, the same statistics the scoring pass reports."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+        self.prox = torch.zeros_like(mask)
+        self.seen = Seen()
+
+    def add(
+        self, logp_all: torch.Tensor, logprobs: torch.Tensor, batch: Batch, rows: torch.Tensor, lc: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.mask[rows]
+        prox = logprobs * m
+        self.prox[rows] = prox
+        self.seen.add(logp_all, logprobs, batch, self.mask, rows)
+        weights, _ = importance_weights(prox, batch.behaviour_logprobs[rows], m, cap=lc.tis_cap, mode=lc.is_mode)
+        return prox, weights
+
+    def finish(self, batch: Batch, lc: Any, ranks: Ranks | None) -> dict[str, float]:
+        prox = self.prox
+        if ranks is not None:
+            prox = ranks.sum_tensor(prox)
+            self.seen.reduce(ranks)
+        _, w_stats = importance_weights(prox, batch.behaviour_logprobs, self.mask, cap=lc.tis_cap, mode=lc.is_mode)
+        return self.seen.stats() | w_stats

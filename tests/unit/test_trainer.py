@@ -115,6 +115,30 @@ def test_proximal_mode_scores_once_more_than_behaviour_mode(policy) -> None:  # 
     assert p_stats["mismatch/logprob_abs_mean"] < 1e-4 and b_stats["mismatch/logprob_abs_mean"] < 1e-4
 
 
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_one_update_per_batch_takes_proximal_logprobs_from_the_training_forward(policy, grad_accum: int) -> None:  # type: ignore[no-untyped-def]
+    """With one update per batch the proximal policy is the one being trained: the fused path skips the scoring pass
+    and gives the same update, ratios, importance weights and statistics (stale groups, so the weights are not 1)."""
+    tok, model = policy
+    groups = groups_of(tok, model, [0, 0, 0])
+    for g in groups[1:]:  # as if sampled by an older policy: behaviour log-probs off by a little, not 1
+        for c in g.completions:
+            c.logprobs[:] = c.logprobs - 0.3
+    opts = ["learner.updates_per_batch=1", f"learner.grad_accum={grad_accum}"]
+    fused, scored = trainer_for(model, *opts), trainer_for(model, *opts)
+    scored.fuse_proximal = False
+    assert fused.fuse_proximal
+    f_calls, s_calls = count_forwards(fused.model), count_forwards(scored.model)
+    f_stats, s_stats = fused.step(groups, version=1), scored.step(groups, version=1)
+    assert (f_calls[0], s_calls[0]) == (grad_accum, 2 * grad_accum)  # one pass over the batch fewer
+    assert f_stats.keys() == s_stats.keys()
+    for k in f_stats:
+        assert f_stats[k] == pytest.approx(s_stats[k], rel=1e-4, abs=1e-6), k
+    assert f_stats["is_weight/mean"] != pytest.approx(1.0, abs=1e-3)
+    for a, b in zip(fused.model.parameters(), scored.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_mismatch_is_measured_only_at_the_same_policy_version(policy) -> None:  # type: ignore[no-untyped-def]
     tok, model = policy
     stats = trainer_for(model).step(groups_of(tok, model, [0, 0]), version=1)
