@@ -101,7 +101,9 @@ def project(setting: Setting, model: Path, steps: int, seed: int, root: Path) ->
 
 
 def _summary(setting: Setting, kind: str, seed: int, c: dict[str, list[float]], completions: int) -> dict[str, Any]:
-    seconds = c["seconds"][-1] if c["seconds"] else float("nan")
+    # The end of training, its last evaluation included: TRL's last reward is logged when its last batch is sampled,
+    # before that batch is trained on.
+    seconds = max(c["seconds"][-1:] + c["eval_seconds"][-1:], default=float("nan"))
     reached = (
         curves.time_to_target(c) if setting.target == "reward" else curves.time_to_accuracy(c, setting.target_value)
     )
@@ -265,6 +267,7 @@ def run(
     steps: int | None = None,
     setting_name: str = "demo",
     seeds: list[int] | None = None,
+    keep: Path | None = None,
 ) -> dict[str, object]:
     setting = SETTINGS[setting_name]
     steps = steps or (setting.quick_steps if quick else setting.steps)
@@ -272,9 +275,10 @@ def run(
     model = model_path(setting)
     runs = []
     with tempfile.TemporaryDirectory(prefix="grpo-bench-trl-") as tmp:
+        root = keep or Path(tmp)
         for seed in seeds:  # alternate, so drift on a noisy machine hits both
-            runs.append(project(setting, model, steps, seed, Path(tmp)))
-            runs.append(trl(setting, model, steps, seed, Path(tmp)))
+            runs.append(project(setting, model, steps, seed, root))
+            runs.append(trl(setting, model, steps, seed, root))
     ours = [r for r in runs if r["kind"] == "project"]
     theirs = [r for r in runs if r["kind"] == "trl"]
     rate = statistics.median(p["completions_per_s"] / t["completions_per_s"] for p, t in zip(ours, theirs, strict=True))
@@ -312,8 +316,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None, help="learner steps (TRL generations) per run")
     p.add_argument("--setting", choices=sorted(SETTINGS), default="demo", help="the recipe both sides run")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="run.seed of each pair of runs")
+    p.add_argument("--keep", type=Path, default=None, help="keep the runs' directories here (default: deleted)")
     args = p.parse_args()
-    return harness.emit(run(args.quick, args.png, args.steps, args.setting, args.seeds), args.out)
+    return harness.emit(run(args.quick, args.png, args.steps, args.setting, args.seeds, args.keep), args.out)
 
 
 if __name__ == "__main__":
