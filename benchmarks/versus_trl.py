@@ -72,7 +72,7 @@ class Setting:
 
 SETTINGS = {
     "demo": Setting("demo", None, 10, "reward", curves.TARGET, 0.67, steps=120, quick_steps=40),
-    "smollm2": Setting("smollm2", "configs/smollm2-cpu.yaml", 3, "accuracy", 0.8, 0.5, steps=15, quick_steps=6),
+    "smollm2": Setting("smollm2", "configs/smollm2-cpu.yaml", 2, "accuracy", 0.8, 0.5, steps=10, quick_steps=4),
 }
 
 
