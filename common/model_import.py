@@ -72,7 +72,7 @@ def resolve_model_path(path: str) -> str:
     target = cached_path(path)
     if not (target / "config.json").is_file():
         log.info("importing %s into %s (first use only)", path, target)
-        import_model(path, target)
+        import_model(path, target, replace=False)
     return str(target)
 
 
@@ -162,9 +162,10 @@ def plain_copy(model: Any) -> Any:
     return plain.eval()
 
 
-def import_model(source: str, out: str | Path) -> dict[str, Any]:
+def import_model(source: str, out: str | Path, *, replace: bool = True) -> dict[str, Any]:
     """Convert ``source`` into the plain HF folder ``out`` (written under a temporary name and renamed, so a
-    concurrent reader never sees half a model, and two importers of the same source both end with a whole one)."""
+    concurrent reader never sees half a model). With ``replace`` False an ``out`` that appeared meanwhile (another
+    process imported the same source into the cache) is kept, so no reader ever finds it missing."""
     out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".grpo-import-", dir=out.parent) as tmp:
@@ -188,7 +189,7 @@ def import_model(source: str, out: str | Path) -> dict[str, Any]:
         }
         final = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
         os.rename(staged, final)
-        if out.exists():
+        if out.exists() and replace:
             shutil.rmtree(out)
         try:
             os.rename(final, out)
