@@ -1,9 +1,10 @@
 """Grading untrusted model output with a time limit per answer.
 
 With ``isolation="process"`` (the default) graders run in a worker process (``python -m grader.worker NAME``) that
-talks msgpack frames over its stdin/stdout. The parent waits at most ``timeout_s`` for each answer's score; when an
-answer hangs the worker (a pathological expression handed to sympy, say), the worker is killed and restarted, that
-answer scores 0, and the remaining answers are sent again. A grader that raises, returns something that is not a
+talks msgpack frames over its stdin/stdout (and warms up before it reports ready, see :mod:`grader.worker`). The
+parent waits at most ``timeout_s`` for each answer's score; when an answer hangs the worker (a pathological
+expression handed to sympy, say), the worker is killed and restarted, that answer scores 0, and the remaining answers
+are sent again. A grader that raises, returns something that is not a
 number in [0, 1], or crashes its process also scores 0. Every such answer is counted by kind: ``timeout``,
 ``exception``, ``invalid``, ``crash``.
 
@@ -14,10 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import select
-import struct
 import subprocess
 import sys
 import time
@@ -32,47 +31,12 @@ from common.config import ConfigError, GraderConfig
 from common.generation import completion_text
 from common.procs import die_with_parent, stop_process
 from grader import build_grader
+from grader.protocol import HEADER as _HEADER
+from grader.protocol import score_one, write_frame
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct(">I")
 _STARTUP_TIMEOUT_S = 120.0
-
-
-def write_frame(stream: Any, obj: Any) -> None:
-    body = msgpack.packb(obj, use_bin_type=True)
-    stream.write(_HEADER.pack(len(body)) + body)
-    stream.flush()
-
-
-def read_frame_blocking(stream: Any) -> Any | None:
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        return None
-    (n,) = _HEADER.unpack(header)
-    body = stream.read(n)
-    return msgpack.unpackb(body, raw=False) if len(body) == n else None
-
-
-def check_score(value: Any) -> float:
-    """A grader's return value as a reward, or ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"grader returned {value!r}, not a finite number")
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"grader returned {value}, outside [0, 1]")
-    return float(value)
-
-
-def score_one(fn: Any, completion: str, reference: str) -> tuple[float, str | None]:
-    """(score, None), or (0.0, error kind) when the grader raises or returns a non-reward."""
-    try:
-        value = fn(completion, reference)
-    except Exception:
-        return 0.0, "exception"
-    try:
-        return check_score(value), None
-    except ValueError:
-        return 0.0, "invalid"
 
 
 @dataclass

@@ -2,23 +2,40 @@
 
 Request: a list of ``[completion, reference]``. Reply per answer, in order: ``[index, score, error_kind | None]``.
 Started and killed by :class:`grader.pool.GraderPool`; msgpack frames, never pickle.
+
+The worker imports only the graders and :mod:`grader.protocol` (never :mod:`grader.pool`, whose imports bring in
+torch: hundreds of megabytes and seconds per restart), and it warms up before it says "ready": a grader's first call
+imports what it needs (math-verify pulls in sympy) and builds its parsers, which must not count against the first
+answer's time limit.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
+
+# Graded once before "ready": every built-in grader parses it, and a grader that rejects it is still warm.
+_WARM_UP = ("1", "1")
+
+
+def warm_up(fn: Any) -> None:
+    """Grade a trivial answer, ignoring its score or error: what matters is what the first call imported."""
+    from grader.protocol import score_one
+
+    score_one(fn, *_WARM_UP)
 
 
 def main() -> int:
     import json
 
     from grader import build_grader
-    from grader.pool import read_frame_blocking, score_one, write_frame
+    from grader.protocol import read_frame_blocking, score_one, write_frame
 
     arg = sys.argv[1]
     fn = build_grader(json.loads(arg) if arg.startswith("{") else arg)  # a name, or a spec with options
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a grader that prints must not corrupt the frame stream
+    warm_up(fn)
     write_frame(stdout, "ready")
     while (batch := read_frame_blocking(stdin)) is not None:
         for index, (completion, reference) in enumerate(batch):

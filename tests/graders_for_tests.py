@@ -31,3 +31,26 @@ def out_of_range(completion: str, reference: str) -> float:
 def prints(completion: str, reference: str) -> float:
     print("a grader that prints to stdout")
     return float(completion == reference)
+
+
+# What a grader worker must not load: torch, and the project's modules that import it.
+HEAVY_MODULES = ("torch", "transformers", "numpy", "common.generation", "common.config", "grader.pool")
+
+
+def no_heavy_modules(completion: str, reference: str) -> float:
+    """1 when the worker process that runs this has loaded none of HEAVY_MODULES."""
+    import sys
+
+    return 0.0 if any(m in sys.modules for m in HEAVY_MODULES) else 1.0
+
+
+_calls = 0
+
+
+def slow_first_call(completion: str, reference: str) -> float:
+    """Like a grader whose first call imports a large library: 3 s once, then instant."""
+    global _calls
+    _calls += 1
+    if _calls == 1:
+        time.sleep(3)
+    return float(completion == reference)

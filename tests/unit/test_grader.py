@@ -115,6 +115,27 @@ def test_a_grader_that_prints_does_not_corrupt_the_pipe() -> None:
         assert pool.grade([("8", "8"), ("9", "8")]).scores == [1.0, 0.0]
 
 
+def test_a_grader_worker_loads_no_torch() -> None:
+    # Checked inside the real worker process: the probe grader looks at its own process's sys.modules.
+    probe = "tests.graders_for_tests:no_heavy_modules"
+    with GraderPool({"name": "combine", "components": [{"name": "math"}, {"name": probe}]}) as pool:
+        assert pool.grade([("1", "1")]).scores == [1.0]  # math scored 1 and so did the probe: nothing heavy loaded
+
+
+def test_a_first_answer_is_not_charged_for_the_graders_imports() -> None:
+    # The probe's first call takes 3 s (as an import would); the worker makes it before the first answer's clock.
+    with GraderPool("tests.graders_for_tests:slow_first_call", timeout_s=1.0) as pool:
+        result = pool.grade([("8", "8")])
+    assert result.scores == [1.0] and not result.errors
+
+
+def test_math_grades_a_first_answer_within_a_tight_limit() -> None:
+    # math-verify's import (sympy) takes most of a second; an answer's grading takes milliseconds.
+    with GraderPool("math", timeout_s=0.3) as pool:
+        result = pool.grade([("\\frac{1}{2}", "0.5")])
+    assert result.scores == [1.0] and not result.errors
+
+
 @pytest.mark.parametrize("grader", ["math", "gsm8k", "addition", "exact"])
 def test_pathological_answers_finish_within_the_limit_and_score_0(grader: str) -> None:
     nasty = [
