@@ -5,20 +5,26 @@
 - ``model.safetensors`` + ``config.json``: the policy (``save_pretrained``);
 - ``optimizer.safetensors``: every tensor of the optimizer state (AdamW's moments and step counts);
 - ``rng.safetensors``: torch's CPU (and CUDA) generator states and the trainer's shuffling generator;
-- ``state.json``: step, policy version, the optimizer's param groups and non-tensor state, the LR scheduler's state,
-  counters, and the stream entries trained on since the previous checkpoint (``covers``): they are acknowledged
-  right after the checkpoint is written, and a learner that resumes from it acknowledges them first, so a crash
-  between the two never trains a group twice.
+- ``state.json``: step, policy version, the run's identity and lineage (``run_id``, ``epochs``), the optimizer's
+  param groups and non-tensor state, the LR scheduler's state, counters, and the stream entries trained on since the
+  previous checkpoint (``covers``): they are acknowledged right after the checkpoint is written, and a learner that
+  resumes from it acknowledges them first, so a crash between the two never trains a group twice.
 
-A checkpoint is written under a temporary name and renamed into place; only the newest ``checkpoint.keep`` stay.
+A checkpoint is written under a temporary name, synced to disk (files, then directories) and renamed into place, and
+the rename is synced too: the groups it covers are deleted from Redis right after, so a power loss must not leave a
+renamed checkpoint with empty files. Only the newest ``checkpoint.keep`` stay. A checkpoint that cannot be read back
+whole (a file missing, empty or cut short) is set aside as ``step-NNNNNN.damaged`` with one log line, and the learner
+resumes from the newest whole one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import struct
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +33,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.storage import fsync_dir, fsync_tree, writing
 from common.weights import load_into
 from learner.distributed import Ranks
 
+log = logging.getLogger("learner")
+
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
+_STATE_KEYS = ("step", "version", "counters", "covers", "covers_groups", "optimizer", "scheduler")
 
 
 @dataclass
@@ -42,6 +52,8 @@ class Resumable:
     counters: dict[str, Any] = field(default_factory=dict)
     covers: list[str] = field(default_factory=list)  # stream entry ids trained since the previous checkpoint
     covers_groups: list[str] = field(default_factory=list)  # and their group ids
+    run_id: str = ""  # the run's identity in Redis (a Redis that no longer holds it lost the run's state)
+    epochs: list[list[int]] = field(default_factory=list)  # the lineage: [epoch, step, first version] (learner.lineage)
 
 
 def _optimizer_parts(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -85,38 +97,56 @@ def save(
         if not ranks.main:
             return None
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{resumable.step:06d}"
-    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    try:
-        model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True, max_shard_size="50GB")
-        opt_tensors, opt_meta = _optimizer_parts(optim)
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-        rng = {"torch": torch.get_rng_state(), "trainer": generator.get_state()}
-        if torch.cuda.is_available():
-            rng |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-        save_file(rng, str(tmp / "rng.safetensors"))
-        state = {
-            "step": resumable.step,
-            "version": resumable.version,
-            "counters": resumable.counters,
-            "covers": resumable.covers,
-            "covers_groups": resumable.covers_groups,
-            "optimizer": opt_meta,
-            "scheduler": scheduler.state_dict(),
-        }
-        (tmp / "state.json").write_text(json.dumps(state))
-        if final.exists():  # the same step written again after a resume
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with writing(root):  # a read-only or full disk: one line and exit 2, and nothing acknowledged (see the caller)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step-{resumable.step:06d}"
+        tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            _write_files(tmp, resumable, model, model_state, optim, scheduler, generator)
+            # Contents on disk before the name: the caller acknowledges (deletes) the covered groups right after.
+            fsync_tree(tmp)
+            if final.exists():  # the same step written again after a resume
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fsync_dir(root)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     for leftover in root.glob(".tmp-step-*"):  # half-written by a learner that was killed (this one is renamed)
         shutil.rmtree(leftover, ignore_errors=True)
     for old in sorted(_steps(root))[:-keep]:
         shutil.rmtree(root / f"step-{old:06d}", ignore_errors=True)
     return final
+
+
+def _write_files(
+    tmp: Path,
+    resumable: Resumable,
+    model: Any,
+    model_state: dict[str, torch.Tensor] | None,
+    optim: dict[str, Any],
+    scheduler: Any,
+    generator: torch.Generator,
+) -> None:
+    model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True, max_shard_size="50GB")
+    opt_tensors, opt_meta = _optimizer_parts(optim)
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    rng = {"torch": torch.get_rng_state(), "trainer": generator.get_state()}
+    if torch.cuda.is_available():
+        rng |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    save_file(rng, str(tmp / "rng.safetensors"))
+    state = {
+        "step": resumable.step,
+        "version": resumable.version,
+        "counters": resumable.counters,
+        "covers": resumable.covers,
+        "covers_groups": resumable.covers_groups,
+        "run_id": resumable.run_id,
+        "epochs": resumable.epochs,
+        "optimizer": opt_meta,
+        "scheduler": scheduler.state_dict(),
+    }
+    (tmp / "state.json").write_text(json.dumps(state))
 
 
 def _steps(root: Path) -> list[int]:
@@ -126,8 +156,59 @@ def _steps(root: Path) -> list[int]:
 
 
 def latest(root: str | os.PathLike[str]) -> Path | None:
-    steps = _steps(Path(root))
-    return Path(root) / f"step-{max(steps):06d}" if steps else None
+    """The newest checkpoint that can be read back whole, or None. A newer one that cannot (torn by a crash or a
+    full disk, emptied by a power loss) is renamed ``step-NNNNNN.damaged``, kept for inspection and out of the way of
+    pruning, with one log line naming it: the learner resumes from the one before, whose groups Redis still has."""
+    root = Path(root)
+    for step in sorted(_steps(root), reverse=True):
+        path = root / f"step-{step:06d}"
+        problem = damage(path)
+        if problem is None:
+            return path
+        aside = path.with_name(f"{path.name}.damaged")
+        if aside.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        os.rename(path, aside)
+        log.warning("checkpoint %s is damaged (%s): set aside as %s; resuming from an earlier one", path, problem,
+                    aside.name)  # fmt: skip
+    return None
+
+
+def damage(path: Path) -> str | None:
+    """What makes the checkpoint at ``path`` unreadable, or None: ``state.json`` parses and has every field, and
+    every safetensors file is whole (its header parses and the file is as long as the header says). Cheap: the
+    tensors themselves are not read."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"state.json: {e}"
+    if not isinstance(state, dict) or (missing := [k for k in _STATE_KEYS if k not in state]):
+        return f"state.json: missing {missing if isinstance(state, dict) else 'everything'}"
+    models = sorted(path.glob("model*.safetensors"))
+    if not models:
+        return "no model*.safetensors"
+    for f in [*models, path / "optimizer.safetensors", path / "rng.safetensors"]:
+        if problem := _safetensors_damage(f):
+            return f"{f.name}: {problem}"
+    return None
+
+
+def _safetensors_damage(f: Path) -> str | None:
+    """A safetensors file is an 8-byte little-endian header length, a JSON header giving each tensor's byte range,
+    then the bytes: a file cut short or emptied fails one of these checks."""
+    try:
+        size = f.stat().st_size
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8).ljust(8, b"\0"))
+            if n == 0 or 8 + n > size:
+                return f"{size} bytes, header length {n}"
+            header = json.loads(fh.read(n))
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return f"unreadable header ({e})"
+    if size != 8 + n + end:
+        return f"{size} bytes where the header says {8 + n + end}"
+    return None
 
 
 def load(
@@ -156,7 +237,16 @@ def load(
     torch.set_rng_state(rng["torch"])
     generator.set_state(rng["trainer"])
     if torch.cuda.is_available():
-        cuda = [rng[k] for k in sorted(rng) if k.startswith("cuda.")]
+        cuda = cuda_rng_states(rng)
         if len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
-    return Resumable(state["step"], state["version"], state["counters"], state["covers"], state["covers_groups"])
+    return Resumable(
+        state["step"], state["version"], state["counters"], state["covers"], state["covers_groups"],
+        state.get("run_id", ""), state.get("epochs", []),  # absent in an earlier build's checkpoint
+    )  # fmt: skip
+
+
+def cuda_rng_states(rng: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The saved CUDA generator states in device order: ``cuda.2`` before ``cuda.10`` (the names' string order would
+    give device 10's state to device 2 on a machine with more than ten)."""
+    return [rng[k] for k in sorted((k for k in rng if k.startswith("cuda.")), key=lambda k: int(k.split(".", 1)[1]))]

@@ -1,0 +1,119 @@
+"""learner.checkpoint on the tiny model: what reaches the disk before a checkpoint's rename, a damaged newest checkpoint
+set aside for the one before it, and CUDA generator states restored in device order."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import load_config
+from learner import checkpoint
+from learner.checkpoint import Resumable
+from learner.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir: Path) -> Trainer:
+    from common.models import load_pretrained
+
+    _, model = load_pretrained(str(tiny_model_dir), "float32", "cpu")
+    return Trainer(load_config(overrides=["actor.group_size=4"], env={}), model, pad_id=0)
+
+
+def save(t: Trainer, root: Path, step: int, keep: int = 5) -> Path:
+    path = checkpoint.save(root, Resumable(step, step), t.model, t.optimizer, t.scheduler, t.generator, keep=keep)
+    assert path is not None
+    return path
+
+
+def test_files_and_directories_are_synced_before_and_after_the_rename(
+    trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The groups a checkpoint covers are deleted from Redis right after it is renamed into place: every file must be
+    on disk before the rename, and the directory entry after it, or a power loss leaves a checkpoint of empty
+    files."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_open, real_rename = os.fsync, os.open, os.rename
+    names: dict[int, str] = {}
+
+    def opened(path, flags, *a, **k):  # type: ignore[no-untyped-def]
+        fd = real_open(path, flags, *a, **k)
+        names[fd] = str(path)
+        return fd
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", names.get(fd, "?")))
+        real_fsync(fd)
+
+    def rename(src, dst) -> None:  # type: ignore[no-untyped-def]
+        events.append(("rename", str(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "open", opened)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    final = save(trainer, tmp_path, 1)
+    monkeypatch.undo()
+
+    renamed = events.index(("rename", str(final)))
+    synced_before = {Path(p).name for kind, p in events[:renamed] if kind == "fsync"}
+    files = {p.name for p in final.iterdir()}
+    assert files >= {"model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"}
+    assert files <= synced_before, f"not synced before the rename: {files - synced_before}"
+    assert any(Path(p).name.startswith(".tmp-step-000001") for kind, p in events[:renamed] if kind == "fsync")
+    assert ("fsync", str(tmp_path)) in events[renamed + 1 :]  # the rename itself
+
+
+@pytest.mark.parametrize(
+    ("damaged_file", "how"),
+    [
+        ("model.safetensors", "cut"),  # a disk that filled up while writing it
+        ("optimizer.safetensors", "empty"),  # renamed before its contents reached the disk, then a power loss
+        ("state.json", "cut"),
+    ],
+)
+def test_a_damaged_newest_checkpoint_is_set_aside_for_the_one_before(
+    trainer: Trainer, tmp_path: Path, caplog: pytest.LogCaptureFixture, damaged_file: str, how: str
+) -> None:
+    older = save(trainer, tmp_path, 3)
+    newest = save(trainer, tmp_path, 6)
+    f = newest / damaged_file
+    f.write_bytes(b"" if how == "empty" else f.read_bytes()[: f.stat().st_size // 2])
+
+    with caplog.at_level(logging.WARNING, logger="learner"):
+        assert checkpoint.latest(tmp_path) == older
+    assert [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()] == [
+        caplog.records[-1].getMessage()
+    ]  # one line
+    assert "step-000006" in caplog.records[-1].getMessage() and damaged_file in caplog.records[-1].getMessage()
+    # Kept for inspection, out of the way of pruning (keep=1 must not delete the one checkpoint that is whole).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000006.damaged"]
+    r = checkpoint.load(older, trainer.model, trainer.optimizer, trainer.scheduler, trainer.generator)
+    assert r.step == 3
+    save(trainer, tmp_path, 4, keep=1)
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-000004"
+
+
+def test_whole_checkpoints_are_not_damaged(trainer: Trainer, tmp_path: Path) -> None:
+    path = save(trainer, tmp_path, 2)
+    assert checkpoint.damage(path) is None
+    assert checkpoint.latest(tmp_path) == path
+
+
+def test_no_whole_checkpoint_means_a_fresh_start(trainer: Trainer, tmp_path: Path) -> None:
+    path = save(trainer, tmp_path, 2)
+    (path / "rng.safetensors").write_bytes(b"")
+    assert checkpoint.latest(tmp_path) is None
+
+
+def test_cuda_generator_states_come_back_in_device_order() -> None:
+    """Saved as cuda.0 … cuda.11: in the names' string order cuda.10 and cuda.11 would come before cuda.2, and
+    set_rng_state_all would give device 2 the state of device 10."""
+    rng = {f"cuda.{i}": torch.tensor([i], dtype=torch.uint8) for i in range(12)}
+    rng |= {"torch": torch.tensor([100], dtype=torch.uint8), "trainer": torch.tensor([101], dtype=torch.uint8)}
+    order = [int(s.item()) for s in checkpoint.cuda_rng_states(dict(sorted(rng.items())))]
+    assert order == list(range(12))
