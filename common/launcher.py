@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import SecretStr
 
 from common.cli import role_parser
 from common.config import Config, ConfigError, load_config, write_resolved
@@ -117,9 +120,18 @@ class Run:
         if not self.cfg.redis.url:
             from common.redis_server import RedisServer
 
-            self.redis_server = RedisServer(self.run_dir / "redis").start()
+            # A password of its own: anyone on this machine can reach a loopback port. The children get it through
+            # the environment (spawn), the operator from the 0600 file beside the server's data.
+            password = secrets.token_urlsafe(32)
+            self.redis_server = RedisServer(self.run_dir / "redis", password=password).start()
             self.cfg.redis.url = self.redis_server.url
-            log.info("private redis-server (pid %d) at %s", self.redis_server.proc.pid, self.redis_server.url)
+            self.cfg.redis.password = SecretStr(password)
+            log.info(
+                "private redis-server (pid %d) at %s, password in %s",
+                self.redis_server.proc.pid,
+                self.redis_server.url,
+                self.redis_server.password_file,
+            )
             return
         t = Transport(self.cfg.redis, self.cfg.run.name)
         try:

