@@ -31,7 +31,7 @@ from common.model_import import prepare_model_path
 from common.models import max_positions
 from common.schemas import Completion, FilteredStats, GroupMessage, encode_group
 from common.tasks import Problem, PromptEncoder, make_task
-from common.transport import Transport
+from common.transport import Transport, round_fits
 from common.weights import WeightsError
 from grader.pool import GraderPool, open_grader
 
@@ -152,12 +152,10 @@ class Actor:
         """Backpressure: while a whole round would not fit under the bound on unread groups, wait (a weights
         announcement wakes us early) instead of sampling a round that would wait in send() and age meanwhile.
         Returns False when the loop should re-check its exit conditions first."""
-        # A round larger than the bound still goes into an empty stream, hence the cap.
-        bound = self.cfg.actor.max_stream_groups
-        need = min(self.cfg.actor.prompts_per_round, bound)
-        if self.transport.unread() + need <= bound:
+        bound, need = self.cfg.actor.max_stream_groups, self.cfg.actor.prompts_per_round
+        if round_fits(self.transport.unread(), need, bound):
             return True
-        self._wait(lambda: self.transport.unread() + need > bound)
+        self._wait(lambda: not round_fits(self.transport.unread(), need, bound))
         return False
 
     def _wait(self, blocked: Callable[[], bool], *, until_clear: bool = False) -> None:
@@ -250,7 +248,7 @@ class Actor:
             if self.stop.is_set() or self.transport.is_done():
                 log.info("dropping an unsent round of %d groups: stopping", len(payloads))
                 return
-            self._wait(lambda: self.transport.unread() + len(payloads) > bound)
+            self._wait(lambda: not round_fits(self.transport.unread(), len(payloads), bound))
         self.groups_sent += len(payloads)
         self.rounds += 1
         self.metrics.groups_produced.inc(len(payloads))

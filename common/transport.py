@@ -95,7 +95,7 @@ local npay = #ARGV - first + 1
 local bound = tonumber(ARGV[2])
 if npay > 0 and bound >= 0 then
   local waiting = unread(KEYS[1], ARGV[1])
-  if waiting > 0 and waiting + npay > bound then return false end
+  if waiting > 0 and waiting + npay > bound then return false end  -- round_fits(), the rule actors wait on
 end
 local ids = {}
 for i = first, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'data', ARGV[i]) end
@@ -128,6 +128,13 @@ redis.call('XDEL', KEYS[3], ARGV[1])
 return id
 """
 T = TypeVar("T")
+
+
+def round_fits(unread: int, size: int, bound: int) -> bool:
+    """The write script's admission rule (``_PRODUCE`` checks the same): a round of ``size`` groups fits while the
+    unread ones plus it stay within ``bound``, and any round fits an empty stream (one larger than the bound must
+    still go somewhere). Actors wait on this very rule, so a round the script refuses is one they wait for."""
+    return unread == 0 or unread + size <= bound
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""A real `sim` actor process on a real Redis: how it waits for room, heartbeats and stops, round by round."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from common.config import RedisConfig
+from common.procs import wait_until
+from common.schemas import decode_group
+from common.transport import Transport
+from tests.integration.test_actor_process import actor_args
+
+pytestmark = pytest.mark.integration
+
+
+def sim_actor(model: Path, run_dir: Path, url: str, *extra: str) -> list[str]:
+    """An actor with the `sim` engine: random completions at ``actor.sim_tokens_per_s`` (a round's length is set by
+    that rate), graded in-process, none filtered."""
+    sim = ["actor.engine=sim", "actor.filter_zero_std=false", "grader.isolation=inline", *extra]
+    return actor_args(model, run_dir, url, *[a for o in sim for a in ("-o", o)])
+
+
+def cursor(t: Transport) -> int:
+    return int(t.client.get(t.keys.prompts_cursor) or 0)
+
+
+def actor_groups(t: Transport) -> list:  # type: ignore[type-arg]
+    return [decode_group(f[b"data"]) for _, f in t.client.xrange(t.keys.groups) if f[b"data"] != b"foreign"]
+
+
+def test_a_round_larger_than_the_bound_is_sent_once_the_stream_empties(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    t = Transport(RedisConfig(url=redis_url), "it")
+    # Rounds of 4 groups, at most 2 unread: a round fits only an empty stream, as the write script admits it.
+    args = sim_actor(tiny_model_dir, tmp_path, redis_url, "actor.max_stream_groups=2", "actor.sim_tokens_per_s=40")
+    processes.grpo(*args, log=tmp_path / "actor.log")
+    # While the actor samples its first round (about 2 s), another writer leaves one group in the stream: the
+    # round is refused when it is done and waits for room.
+    assert wait_until(lambda: cursor(t) >= 4, 120), (tmp_path / "actor.log").read_text()
+    t.produce([b"foreign"])
+    time.sleep(6)
+    assert actor_groups(t) == []
+    # The stream empties (the group is read and settled): the whole round goes in.
+    t.client.delete(t.keys.groups)
+    assert wait_until(lambda: len(actor_groups(t)) == 4, 30), (tmp_path / "actor.log").read_text()
