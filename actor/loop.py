@@ -69,6 +69,8 @@ class Actor:
         self._warned_forward = False
         self._warned_long = False
         self._next_heartbeat = 0.0
+        self._beat_lock = threading.Lock()  # the heartbeat thread and the loop beat alike
+        self._beats_stop = threading.Event()
         self._pubsub: Any = None
         self._warned_nccl = False
         self.receiver: Receiver | None = None  # weights.transport nccl, with an engine that takes weights that way
@@ -80,6 +82,8 @@ class Actor:
     def run(self) -> str:
         """Returns why it stopped."""
         self._pubsub = self.transport.subscribe_weights()
+        beats = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
+        beats.start()
         try:
             while not self.stop.is_set():
                 self.heartbeat()
@@ -104,6 +108,8 @@ class Actor:
                     self.wait_for_new_version()
             return "asked to stop"
         finally:
+            self._beats_stop.set()
+            beats.join()
             self._pubsub.close()
             if self.receiver is not None:
                 self.receiver.unregister()
@@ -297,16 +303,29 @@ class Actor:
             )
 
     def heartbeat(self) -> None:
-        now = time.monotonic()
-        if now < self._next_heartbeat:
-            return
-        ttl = self.cfg.actor.heartbeat_ttl_s
-        self._next_heartbeat = now + ttl / 3
-        self.transport.heartbeat(
-            self.id, ttl, {"version": self.engine.version, "groups_sent": self.groups_sent, "rounds": self.rounds}
-        )
-        if self.receiver is not None:
-            self.receiver.register()
+        """Refresh ``actors:<id>`` (and the NCCL registration) when a third of its TTL has passed since the last
+        beat. Called by the loop and by the heartbeat thread (Redis clients are thread-safe)."""
+        with self._beat_lock:
+            now = time.monotonic()
+            if now < self._next_heartbeat:
+                return
+            ttl = self.cfg.actor.heartbeat_ttl_s
+            self._next_heartbeat = now + ttl / 3
+            info = {"version": self.engine.version, "groups_sent": self.groups_sent, "rounds": self.rounds}
+            self.transport.heartbeat(self.id, ttl, info)
+            if self.receiver is not None:
+                self.receiver.register()
+
+    def _beat_forever(self) -> None:
+        """The heartbeat thread: sampling and grading a round may take longer than the TTL, and an actor whose key
+        expires leaves the NCCL update group (and ``grpo status``) while it works. A failed beat is logged and tried
+        again; the loop meets the same Redis and decides whether to give up."""
+        every = self.cfg.actor.heartbeat_ttl_s / 6  # well within the third of the TTL a beat is due after
+        while not self._beats_stop.wait(every):
+            try:
+                self.heartbeat()
+            except Exception as e:
+                log.warning("heartbeat failed: %s", e)
 
 
 # -- the process ------------------------------------------------------------------------------------------------

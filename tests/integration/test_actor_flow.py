@@ -47,3 +47,18 @@ def test_a_round_larger_than_the_bound_is_sent_once_the_stream_empties(
     # The stream empties (the group is read and settled): the whole round goes in.
     t.client.delete(t.keys.groups)
     assert wait_until(lambda: len(actor_groups(t)) == 4, 30), (tmp_path / "actor.log").read_text()
+
+
+def test_the_heartbeat_outlives_a_round_longer_than_its_ttl(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    t = Transport(RedisConfig(url=redis_url), "it")
+    # A round of about 80 tokens at 8 tokens/s: 10 s of sampling, against a heartbeat TTL of 3 s.
+    args = sim_actor(tiny_model_dir, tmp_path, redis_url, "actor.sim_tokens_per_s=8")
+    processes.grpo(*args, log=tmp_path / "actor.log")
+    assert wait_until(lambda: cursor(t) >= 4, 120), (tmp_path / "actor.log").read_text()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 8:
+        assert "actor-it" in t.live_actors(), f"the key expired {time.monotonic() - t0:.1f}s into the round"
+        assert actor_groups(t) == []  # still sampling the first round
+        time.sleep(0.25)
