@@ -33,7 +33,9 @@ def test_services_password_persistence_and_health() -> None:
     assert set(c["services"]) == {"redis", "learner", "actor", "prometheus", "grafana"}
     redis = c["services"]["redis"]
     command = " ".join(redis["command"])
-    assert "--requirepass ${REDIS_PASSWORD:?" in command and "--appendonly yes" in command
+    assert "requirepass" in command and "/run/secrets/redis_password" in command and "--appendonly yes" in command
+    assert redis["secrets"] == ["redis_password"]
+    assert c["secrets"]["redis_password"] == {"environment": "REDIS_PASSWORD"}
     for name, service in c["services"].items():
         assert "healthcheck" in service, f"{name} has no healthcheck"
     for role in ("learner", "actor"):
@@ -49,6 +51,21 @@ def test_services_password_persistence_and_health() -> None:
     assert "weights:/weights" in c["services"]["learner"]["volumes"]
     assert "weights:/weights:ro" in c["services"]["actor"]["volumes"]
     assert "weights" in c["volumes"]
+
+
+def command_lines(service: dict) -> str:
+    """Everything a service runs: its entrypoint, command and healthcheck, as one text."""
+    parts = [service.get("entrypoint"), service.get("command"), service.get("healthcheck", {}).get("test")]
+    return " ".join(" ".join(p) if isinstance(p, list) else p for p in parts if p)
+
+
+def test_no_command_line_and_no_redis_variable_carries_the_password() -> None:
+    # A command line is world-readable (`ps`, `docker inspect`); the Redis container reads the password from its
+    # secret's file instead, and only the grpo roles, which take it from GRPO_REDIS_PASSWORD, see the variable.
+    c = compose()
+    for name, service in c["services"].items():
+        assert "REDIS_PASSWORD" not in command_lines(service), name
+    assert "REDIS_PASSWORD" not in json.dumps(c["services"]["redis"].get("environment", {}))
 
 
 def test_actor_is_scalable() -> None:

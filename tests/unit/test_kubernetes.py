@@ -110,5 +110,20 @@ def test_the_config_the_pods_name_loads_with_their_environment() -> None:
 
 def test_redis_keeps_its_data_and_demands_the_password() -> None:
     c = container("StatefulSet", "grpo-redis")
-    assert c["args"][:2] == ["--appendonly", "yes"] and "--requirepass" in c["args"]
+    # The same start script as compose's redis (tests/integration/test_deploy_redis.py runs both).
+    (script,) = [a for a in compose()["services"]["redis"]["command"] if "requirepass" in a]
+    assert c["command"] == ["sh", "-c", script.replace("${REDIS_APPENDFSYNC:-everysec}", "everysec")]
+    assert "--appendonly yes" in script
+    (secret,) = [v["secret"] for v in by_name("StatefulSet", "grpo-redis")["spec"]["template"]["spec"]["volumes"]
+                 if "secret" in v]  # fmt: skip
+    assert secret["secretName"] == "grpo-redis" and secret["items"] == [{"key": "password", "path": "redis_password"}]
     assert by_name("StatefulSet", "grpo-redis")["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+
+
+def test_no_command_line_carries_the_redis_password() -> None:
+    # `$(REDIS_PASSWORD)` in a command or args is expanded onto the process's command line, which `ps` shows.
+    for doc in documents():
+        for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            probe = c.get("readinessProbe", {}).get("exec", {}).get("command", [])
+            text = " ".join([*c.get("command", []), *c.get("args", []), *probe])
+            assert "PASSWORD" not in text and "--requirepass" not in text, c["name"]
