@@ -54,6 +54,11 @@ class LearnerMetrics(RedisMetrics):
         self.groups_consumed = Counter("grpo_learner_groups_consumed", "groups trained on", registry=r)
         self.groups_dropped = Counter("grpo_learner_groups_dropped", "groups refused", ["reason"], registry=r)
         self.groups_dead = Counter("grpo_learner_groups_dead", "messages dead-lettered", registry=r)
+        self.updates_skipped = Counter(
+            "grpo_learner_updates_skipped_nonfinite",
+            "optimizer updates not applied because their gradient was not finite",
+            registry=r,
+        )
         self.publish_seconds = Histogram(
             "grpo_learner_weight_publish_seconds", "time to write and announce weights", buckets=_FAST, registry=r
         )

@@ -9,7 +9,10 @@ Messages
     - ``v`` is :data:`SCHEMA_VERSION` (or 1, read for groups still in a stream written by an older build) and
       ``type`` is ``"group"``; no unknown keys anywhere;
     - arrays travel as ``{"dtype": ..., "data": <little-endian bytes>}``, never as lists of numbers;
-    - every completion has as many behaviour log-probs as tokens (at least one), log-probs are finite and ≤ 0;
+    - every completion has as many behaviour log-probs as tokens (at least one), log-probs are in
+      [:data:`LOGPROB_FLOOR` = −1e4, 0]: a sampled token's log-prob is ≤ 0, and no sampler can draw a token whose
+      probability its float format rounds to 0 (below e^-104 in float32, e^-745 in float64), so anything lower is
+      corrupt (−1e30 made every update of a step non-finite);
     - rewards are finite and in [0, 1]; ``policy_version`` ≥ 0; ``finish_reason`` is stop | length | abort;
     - ``zero_std`` is true only when the actor forwarded an all-equal group because its resampling budget ran out;
     - ``filtered`` summarises the groups this actor filtered out since its previous message, so the learner can report
@@ -64,6 +67,9 @@ _MAX_TOKENS = 1 << 20  # per completion in version 1; per group in version 2 it 
 _MAX_ID_LEN = 256
 # An engine may report log-probs a hair above 0 through rounding; anything above this is corrupt.
 _LOGPROB_SLACK = 1e-3
+# Below any log-prob a sampled token can have, with a wide margin: a sampler cannot draw a token whose probability its
+# float format rounds to 0, and the smallest positive float32 is about e^-104 (bfloat16 e^-92, float64 e^-745).
+LOGPROB_FLOOR = -1e4
 
 
 class SchemaError(ValueError):
@@ -366,7 +372,7 @@ _min, _max, _add = (
 
 
 def _check_values(prompt_ids: np.ndarray, c: Completions) -> None:
-    """Token ids in [0, 2^31), log-probs finite and <= 0, rewards finite in [0, 1]: two reductions per column over
+    """Token ids in [0, 2^31), log-probs in [LOGPROB_FLOOR, 0], rewards finite in [0, 1]: two reductions per column over
     the whole group (NaN fails every comparison, infinities fail the bounds); only when one fails is the first bad
     value looked for, to name its completion."""
     if _min(prompt_ids) < 0:
@@ -375,9 +381,13 @@ def _check_values(prompt_ids: np.ndarray, c: Completions) -> None:
         i = _owner(c, np.flatnonzero(c.token_ids < 0))
         raise SchemaError(f"completions[{i}].token_ids: token ids must be in [0, 2^31)")
     lp = c.logprobs
-    if not (_min(lp) > -math.inf and _max(lp) <= _LOGPROB_SLACK):
-        bad = np.flatnonzero(~(np.isfinite(lp) & (lp <= _LOGPROB_SLACK)))
-        raise SchemaError(f"completions[{_owner(c, bad)}].logprobs: must be finite and <= 0")
+    if not (_min(lp) >= LOGPROB_FLOOR and _max(lp) <= _LOGPROB_SLACK):
+        bad = np.flatnonzero(~((lp >= LOGPROB_FLOOR) & (lp <= _LOGPROB_SLACK)))
+        value = float(lp[bad[0]])
+        raise SchemaError(
+            f"completions[{_owner(c, bad)}].logprobs: must be finite and <= 0, and >= {LOGPROB_FLOOR:g} (no sampler "
+            f"draws a token that unlikely); got {value}"
+        )
     # G numbers: Python's min and max beat two numpy calls. They can step over a NaN (every comparison with it is
     # false), so the sum, which a NaN always reaches, is checked too.
     rewards = c.rewards.tolist()

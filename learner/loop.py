@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
 from common.model_import import prepare_model_path
 from common.models import load_pretrained
 from common.schemas import GroupMessage, SchemaError, WeightsAnnouncement, decode_group, encode_group
+from common.storage import StorageError, fsync_dir, fsync_file, writing
 from common.tasks import PromptEncoder, eval_problems
 from common.transport import StreamEntry, Transport, read_balance
 from common.weights import publish, tensors_digest
@@ -127,11 +129,7 @@ class Learner:
             pad = self.cfg.learner.min_step_s - (time.perf_counter() - t_train)
             if pad > 0:  # benchmarks: a step of controlled time (learner.min_step_s)
                 self.stop.wait(pad)
-            # The optimizer step is done; the groups are acknowledged by the checkpoint that covers it.
-            self.window_ids += batch.ids
-            self.window_groups += [g.group_id for g in batch.groups]
-            self.groups_consumed += len(batch.ids)
-            self.metrics.groups_consumed.inc(len(batch.ids))
+            self.settle(batch, stats)
             self.step += 1
             self.version += 1  # equal to the step, unless a resume skipped versions (see continue_versions)
             stats["time/train_s"] = time.perf_counter() - t_train
@@ -163,12 +161,34 @@ class Learner:
         )
         return 0
 
+    def settle(self, batch: Collected, stats: dict[str, float]) -> None:
+        """The step's groups are trained, and acknowledged by the checkpoint that covers the step, unless none of
+        its updates could be applied (every gradient non-finite, see learner.trainer): the policy learnt nothing
+        from them, so they are dropped now as ``nonfinite``, not counted as trained; the step still counts, and its
+        row says ``updates_skipped_nonfinite`` and a null loss."""
+        skipped = int(stats.get("updates_skipped_nonfinite", 0))
+        self.metrics.updates_skipped.inc(skipped)
+        if skipped < self.cfg.learner.updates_per_batch:
+            self.window_ids += batch.ids
+            self.window_groups += [g.group_id for g in batch.groups]
+            self.groups_consumed += len(batch.ids)
+            self.metrics.groups_consumed.inc(len(batch.ids))
+            return
+        log.warning("step %d: every update was non-finite and none was applied; its %d groups are dropped as "
+                    "nonfinite", self.step + 1, len(batch.ids))  # fmt: skip
+        if self.main:
+            self.transport.drop(batch.ids, "nonfinite")
+        self.dropped["nonfinite"] += len(batch.ids)
+        self.metrics.groups_dropped.labels("nonfinite").inc(len(batch.ids))
+
     # -- checkpoints --------------------------------------------------------------------------------------------
 
     def checkpoint(self) -> dict[str, float]:
         """Write the learner's whole state, then acknowledge the groups it covers (see learner.checkpoint)."""
         if self.step == self.checkpointed_step and not self.window_ids:
             return {}
+        if self.main:  # the rows of the steps it covers reach the disk before it does (see run)
+            self._sync_metrics()
         t0 = time.perf_counter()
         cc = self.cfg.checkpoint
         state = Resumable(self.step, self.version, self.counters(), self.window_ids, self.window_groups)
@@ -224,15 +244,29 @@ class Learner:
             self.version = int(self.ranks.broadcast(self.version))
 
     def _truncate_metrics(self, step: int) -> None:
-        """Rows of steps after the checkpoint are about to be trained again: drop them rather than repeat them."""
+        """Rows of steps after the checkpoint are about to be trained again: drop them rather than repeat them. A
+        last row cut short (the disk filled up, or the learner died, while it was written) is dropped with a
+        warning: its step is trained again like the others past the checkpoint."""
         if not self.metrics_path.exists():
             return
-        rows = [line for line in self.metrics_path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
-        if len(kept) < len(rows):
-            tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.metrics_path)
+        with writing(self.metrics_path):
+            text = self.metrics_path.read_text()
+            rows = [json.loads(line) for line in metrics_rows(text, self.metrics_path)]
+            kept = [row for row in rows if row.get("step", 0) <= step]
+            lines = sum(1 for line in text.splitlines() if line.strip())
+            if len(kept) < lines or (text and not text.endswith("\n")):  # rows past the checkpoint, or a torn one
+                tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
+                with tmp.open("w") as f:
+                    f.write("".join(_json_row(row) + "\n" for row in kept))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.metrics_path)
+                fsync_dir(self.metrics_path.parent)
+
+    def _sync_metrics(self) -> None:
+        if self.metrics_path.exists():
+            with writing(self.metrics_path):
+                fsync_file(self.metrics_path)
 
     # -- steps --------------------------------------------------------------------------------------------------
 
@@ -369,17 +403,18 @@ class Learner:
         wc = self.cfg.weights
         if version < self._announced:
             return
-        pub = publish(
-            self.model,
-            self.tokenizer,
-            wc.dir,
-            version,
-            wc.keep,
-            wc.dtype,
-            wc.digest,
-            prune_in_background=True,
-            state_dict=state,
-        )
+        with writing(wc.dir):
+            pub = publish(
+                self.model,
+                self.tokenizer,
+                wc.dir,
+                version,
+                wc.keep,
+                wc.dtype,
+                wc.digest,
+                prune_in_background=True,
+                state_dict=state,
+            )
         with self._publish_lock:
             if version < self._announced:
                 return
@@ -482,8 +517,8 @@ class Learner:
     def record(self, row: dict[str, Any]) -> None:
         if not self.main:
             return
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        with writing(self.metrics_path), self.metrics_path.open("a") as f:
+            f.write(_json_row(row) + "\n")
         m = self.metrics
         m.step.set(self.step)
         m.policy_version.set(self.version)
@@ -506,6 +541,33 @@ class Learner:
 
 
 # -- the process ------------------------------------------------------------------------------------------------
+
+
+def _json_row(row: dict[str, Any]) -> str:
+    """Strict JSON (``Infinity`` and ``NaN`` are not JSON): a figure that is not a finite number, such as the loss
+    of a step whose every update was skipped, is written as null."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+    return json.dumps(clean, allow_nan=False)
+
+
+def metrics_rows(text: str, path: Path) -> list[str]:
+    """The rows of metrics.jsonl. Only the last can be cut short (rows are appended, and the file is truncated to
+    its complete rows before a learner appends again): it is left out with a warning. Any other line that is not
+    JSON was damaged some other way: :class:`StorageError`, one line."""
+    lines = text.splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except ValueError:
+            if n == len(lines):
+                log.warning("%s: the last row (line %d) was cut short, left out: its step is trained again", path, n)
+                continue
+            raise StorageError(path, f"line {n} is not JSON; fix or remove it") from None
+        rows.append(line)
+    return rows
 
 
 def load_models(cfg: Config, device: str | None = None) -> tuple[Any, Any, Any]:

@@ -12,13 +12,17 @@ Departures from the textbook, each a config choice (the loss itself is learner.l
 - each batch is shuffled and split into ``updates_per_batch`` mini-batches, one AdamW step each, each made of
   ``grad_accum`` micro-batches whose gradients are accumulated; ``dapo`` divides by the whole mini-batch's token
   count and ``grpo``/``dr_grpo`` weight each micro-batch by its share of rows, so accumulation does not change
-  their gradient (``bnpo``'s token mean is per micro-batch by definition); a non-finite update is skipped;
+  their gradient (``bnpo``'s token mean is per micro-batch by definition); an update whose gradient norm is not finite
+  (a NaN or infinity anywhere in the loss or its gradient) is not applied and is counted
+  (``updates_skipped_nonfinite``); the step's ``loss`` and ``grad_norm`` are the means over the updates applied (NaN
+  when none was: the learner then drops the step's groups as ``nonfinite``, see learner.loop);
 - the learning rate warms up linearly over ``warmup_steps`` optimizer steps, then stays or decays (learner.schedule).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -149,11 +153,13 @@ class Trainer:
         first = Seen() if lc.old_logprobs == "behavior" else None
         first_taken = False
         tokens_seen = 0.0
+        applied = 0
         used_lr = self.lr
         order = torch.randperm(len(batch.rewards), generator=self.generator).to(self.device)
         self.model.train()
         for rows in order.tensor_split(lc.updates_per_batch):
             step_tokens = mask[rows].sum()
+            update_loss = 0.0
             self.optimizer.zero_grad(set_to_none=True)
             for micro in rows.tensor_split(lc.grad_accum):
                 mine = self._mine(micro)
@@ -204,14 +210,17 @@ class Trainer:
                 for k, v in m.items():
                     weighted[k] += v * n
                 tokens_seen += n
-                per_update["loss"] += loss.item()
+                update_loss += loss.item()
             grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip))
             if not torch.isfinite(grad_norm):
                 # One NaN/inf would poison every weight from here on: skip the update, and say so in the metrics.
                 per_update["updates_skipped_nonfinite"] += 1
                 self.optimizer.zero_grad(set_to_none=True)
             else:
+                # Only applied updates count in the step's loss: a skipped one's is not finite and moved nothing.
+                per_update["loss"] += update_loss
                 per_update["grad_norm"] += grad_norm.item()
+                applied += 1
                 used_lr = self.lr
                 self.optimizer.step()
             self.scheduler.step()
@@ -225,7 +234,8 @@ class Trainer:
                 first.reduce(self.ranks)
         seen = fused.finish(batch, lc, self.ranks) if fused is not None else first.stats() if first is not None else {}
         stats = {k: v / max(tokens_seen, 1.0) for k, v in weighted.items()}
-        stats |= {k: v / lc.updates_per_batch for k, v in per_update.items() if k != "updates_skipped_nonfinite"}
+        # The ranks agree on which updates were applied (the gradient norm is the whole model's).
+        stats |= {k: per_update[k] / applied if applied else math.nan for k in ("loss", "grad_norm")}
         stats["updates_skipped_nonfinite"] = per_update["updates_skipped_nonfinite"]
         stats["lr"] = used_lr  # the rate the step's last update used
         return stats, seen

@@ -191,6 +191,9 @@ REJECTIONS = [
     ("completions.logprobs", _f32(*_LP[:4], 0.5, *_LP[5:]), "completions[1].logprobs: must be finite and <= 0"),
     ("completions.logprobs", _f32(*_LP[:9], math.nan, *_LP[10:]), "completions[3].logprobs: must be finite"),
     ("completions.logprobs", _f32(*_LP[:2], -math.inf, *_LP[3:]), "completions[0].logprobs: must be finite"),
+    # Finite but absurd: -1e30 passed once and made every update of a step non-finite.
+    ("completions.logprobs", _f32(*_LP[:6], -1e30, *_LP[7:]), "completions[2].logprobs: must be finite and <= 0, and"),
+    ("completions.logprobs", _f32(*_LP[:11], -2e4), "completions[3].logprobs: must be finite and <= 0, and >= -10000"),
     ("completions.token_ids", {"dtype": "int16", "data": b"\x00\x00"}, "dtype 'int16'"),
     ("completions.token_ids", {"dtype": "int32", "data": b"\x00\x00\x00"}, "whole number"),
     (
