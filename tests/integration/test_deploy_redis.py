@@ -14,6 +14,7 @@ import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -136,7 +137,7 @@ def test_the_redis_script_demands_the_secrets_password(container: Container, pas
         conf = container.conf_dir / "redis.conf"
         assert stat.S_IMODE(conf.stat().st_mode) == 0o600  # readable by the redis user alone
         assert (container.root / "chowned").read_text().split() == ["redis", str(conf)]
-        assert password not in " ".join(proc.args)
+        assert password not in " ".join(cast(list[str], proc.args))
         assert container.healthy(check)
         container.secret.write_text("wrong\n")
         assert not container.healthy(check)  # a healthcheck that cannot authenticate fails

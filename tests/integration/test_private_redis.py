@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import stat
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -21,7 +22,9 @@ def test_a_password_refuses_strangers_and_stays_off_the_command_line(tmp_path: P
         with pytest.raises(redis.AuthenticationError):
             redis.Redis.from_url(server.url).ping()
         assert redis.Redis.from_url(server.url, password=password).ping()
-        assert password not in " ".join(server.proc.args)  # what `ps` would have shown before Redis renames itself
+        assert server.proc is not None
+        argv = " ".join(cast(list[str], server.proc.args))
+        assert password not in argv  # what `ps` would have shown before Redis renames itself
         # The operator's copy: readable by its owner only.
         assert server.password_file.read_text() == password + "\n"
         assert stat.S_IMODE(server.password_file.stat().st_mode) == 0o600
