@@ -29,7 +29,7 @@ from common.grpo import overlong_penalty
 from common.metrics import ActorMetrics, MetricsServer, register_endpoint
 from common.model_import import prepare_model_path
 from common.models import max_positions
-from common.schemas import Completion, FilteredStats, GroupMessage, encode_group
+from common.schemas import Completion, FilteredStats, GroupMessage, WeightsAnnouncement, encode_group
 from common.tasks import Problem, PromptEncoder, make_task
 from common.transport import Transport, round_fits
 from common.weights import WeightsError
@@ -65,6 +65,8 @@ class Actor:
         self.groups_sent = 0
         self.rounds = 0
         self.version_sampled = engine.version  # the policy version of the round being sampled
+        self.epoch_sampled: int | None = None  # and its lineage epoch, when its announcement was seen
+        self._epochs: dict[int, int] = {}  # version -> epoch, from the announcements this actor read
         self._prompt_ids: dict[str, list[int]] = {}
         self._warned_forward = False
         self._warned_long = False
@@ -121,6 +123,7 @@ class Actor:
         while self._pubsub.get_message() is not None:  # announcements only wake us; the hash is the truth
             pass
         ann = self.transport.latest_weights()
+        self._remember_epoch(ann)
         if ann is None or ann.version == self.engine.version:
             return
         if ann.format == "nccl":  # sent to the members of the update group only; the others wait for a disk version
@@ -142,6 +145,15 @@ class Actor:
         self.metrics.weight_load_seconds.labels("disk").observe(seconds)
         self.metrics.policy_version.set(ann.version)
         log.debug("loaded weights v%d (%.1f MB) in %.3fs", ann.version, nbytes / 1e6, seconds)
+
+    def _remember_epoch(self, ann: WeightsAnnouncement | None) -> None:
+        """Which epoch announced each version (whatever path its weights take, NCCL or disk): groups carry the
+        epoch of the weights they were sampled with, so the learner can tell a crashed learner's dead branch."""
+        if ann is None:
+            return
+        if len(self._epochs) >= 64:  # recent versions only
+            self._epochs.clear()
+        self._epochs[ann.version] = ann.epoch
 
     def wait_for_new_version(self) -> None:
         """The synchronous baseline (actor.synchronous): sample again only with weights newer than this round's
@@ -211,6 +223,7 @@ class Actor:
         # Read after generating: weights change only between rounds, and a SGLang engine may learn from the replies
         # that its server holds another version than it was told.
         self.version_sampled = self.engine.version
+        self.epoch_sampled = self._epochs.get(self.version_sampled)
         self.metrics.generation_seconds.observe(time.perf_counter() - t0)
         n = sum(len(g) for g in groups)
         self.metrics.completions.inc(n)
@@ -291,6 +304,7 @@ class Actor:
             ),
             zero_std=forwarded,
             filtered=self.pending_filtered,
+            epoch=self.epoch_sampled,
         )
 
     def _warn_forward_once(self) -> None:

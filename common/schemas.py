@@ -16,7 +16,9 @@ Messages
     - rewards are finite and in [0, 1]; ``policy_version`` ≥ 0; ``finish_reason`` is stop | length | abort;
     - ``zero_std`` is true only when the actor forwarded an all-equal group because its resampling budget ran out;
     - ``filtered`` summarises the groups this actor filtered out since its previous message, so the learner can report
-      the reward of everything sampled (TRL's ``reward`` is measured before any filtering).
+      the reward of everything sampled (TRL's ``reward`` is measured before any filtering);
+    - ``epoch`` (optional, an int ≥ 0): the learner lineage of the weights it was sampled with, from their
+      announcement; messages without it (earlier builds) are read by their version alone.
 
 Layout (version 2). The G completions travel as columns, not as G maps: ``completions`` is one map of
 ``lengths`` (int32, G), ``token_ids`` and ``logprobs`` (every completion's, end to end, ``sum(lengths)`` each),
@@ -35,7 +37,7 @@ the decoder still reads it, so groups left in a stream by an older build are tra
 ``WeightsAnnouncement`` (learner → Redis hash ``weights:latest`` + channel ``weights`` → actors)
     ``version``, ``uri`` (a directory), ``digest`` (``xxh3-128:<hex>`` or ``sha256:<hex>``, over its
     ``*.safetensors`` files in name order; an announcement with only the ``sha256`` field of earlier builds is
-    read as ``sha256:<it>``), ``format``, ``published_at``.
+    read as ``sha256:<it>``), ``format``, ``published_at``, ``epoch`` (the learner lineage; 0 when absent).
 
 A payload that fails here raises :class:`SchemaError` with a one-line reason; the learner moves it to the ``dead``
 stream with that reason and the raw bytes.
@@ -180,6 +182,9 @@ class GroupMessage:
     filtered: FilteredStats = field(default_factory=FilteredStats)
     group_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = field(default_factory=time.time)
+    # The lineage (learner epoch) of the weights it was sampled with, from their announcement; None when unknown
+    # (a message of an older build, or an actor that never saw the announcement): the learner goes by the version.
+    epoch: int | None = None
 
     def __post_init__(self) -> None:
         # Held as columns whatever was passed, so that encoding and the learner's batch work on whole arrays.
@@ -205,6 +210,7 @@ class WeightsAnnouncement:
     digest: str  # "<algorithm>:<hex>", e.g. "xxh3-128:9f…" (see common.weights.digest)
     format: str = "hf-safetensors"
     published_at: float = field(default_factory=time.time)
+    epoch: int = 0  # the learner lineage that published it (see learner.lineage); 0 in an older build's hash
 
     @property
     def digest_algorithm(self) -> str:
@@ -217,6 +223,7 @@ class WeightsAnnouncement:
             "digest": self.digest,
             "format": self.format,
             "published_at": repr(self.published_at),
+            "epoch": str(self.epoch),
         }
 
     @classmethod
@@ -225,7 +232,9 @@ class WeightsAnnouncement:
         if "digest" not in d and "sha256" in d:  # announced by a build before the digest field (sha256 only)
             d["digest"] = f"sha256:{d['sha256']}"
         try:
-            ann = cls(int(d["version"]), d["uri"], d["digest"], d["format"], float(d["published_at"]))
+            ann = cls(
+                int(d["version"]), d["uri"], d["digest"], d["format"], float(d["published_at"]), int(d.get("epoch", 0))
+            )
         except (KeyError, ValueError) as e:
             raise SchemaError(f"weights announcement: missing or malformed field ({e})") from None
         algorithm, _, hexdigest = ann.digest.partition(":")
@@ -285,6 +294,8 @@ def encode_group(msg: GroupMessage) -> bytes:
             "reward_std_sum": float(msg.filtered.reward_std_sum),
         },
     }
+    if msg.epoch is not None:  # optional: a message without it is what earlier builds send
+        body["epoch"] = int(msg.epoch)
     return cast(bytes, msgpack.packb(body, use_bin_type=True))
 
 
@@ -496,6 +507,7 @@ _GROUP_KEYS = {
     "zero_std",
     "filtered",
 }
+_GROUP_KEYS_WITH_EPOCH = _GROUP_KEYS | {"epoch"}
 
 
 def decode_group(raw: bytes) -> GroupMessage:
@@ -511,7 +523,7 @@ def decode_group(raw: bytes) -> GroupMessage:
         raise SchemaError(
             f"unsupported schema version {version!r} (this build reads {', '.join(map(str, READABLE_VERSIONS))})"
         )
-    d = _keys(body, "group", _GROUP_KEYS)
+    d = _keys(body, "group", _GROUP_KEYS_WITH_EPOCH if isinstance(body, dict) and "epoch" in body else _GROUP_KEYS)
     if d["type"] != "group":
         raise SchemaError(f"type: expected 'group', got {d['type']!r}")
     completions = _decode_columns(d["completions"]) if version == 2 else _decode_v1_completions(d["completions"])
@@ -527,4 +539,5 @@ def decode_group(raw: bytes) -> GroupMessage:
         completions=completions,
         zero_std=_bool(d["zero_std"], "zero_std"),
         filtered=_decode_filtered(d["filtered"]),
+        epoch=_int(d["epoch"], "epoch") if "epoch" in d else None,
     )

@@ -12,6 +12,9 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 ``stats``              hash        durable counters, see below
 ``done``               string      set by the learner after its last step; actors exit when they see it
 ``trained_ids``        sorted set  group ids trained on, by step (a bounded window), to train a duplicate once
+``identity``           hash        the run's identity (``id``, ``created_at``), also in every checkpoint; and what a
+                                   Redis that lost its data lost (``resets``, ``reset_at``, ``reset_step``,
+                                   ``trained_before_reset``: groups trained before the loss, not in ``stats``)
 =====================  ==========  ======================================================================
 
 Accounting. Every counter in ``stats`` is bumped in the same MULTI/EXEC transaction as the stream operation it
@@ -197,6 +200,7 @@ class Keys:
         self.stats = self.prefix + "stats"
         self.done = self.prefix + "done"
         self.trained_ids = self.prefix + "trained_ids"
+        self.identity = self.prefix + "identity"
         self.nccl_members = self.prefix + "nccl:members"
         self.nccl_round = self.prefix + "nccl:round"
         self.nccl_ready = self.prefix + "nccl:ready"
@@ -613,6 +617,34 @@ class Transport:
         """Whether the learner marked the run finished. A run name is one run: an actor that starts (or restarts)
         after the mark exits at once, and a learner resuming a run clears the mark while it trains."""
         return bool(self._do(lambda: self.client.exists(self.keys.done)))
+
+    def identity(self) -> dict[str, str]:
+        """The run's identity hash; empty when Redis holds none (a new run, or a Redis that lost its data)."""
+        return {as_text(k): as_text(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.identity)).items()}
+
+    def identity_id(self) -> str | None:
+        """The run id alone: one HGET, cheap enough for every learner step."""
+        v = self._do(lambda: self.client.hget(self.keys.identity, "id"))
+        return None if v is None else as_text(v)
+
+    def create_identity(self, run_id: str) -> None:
+        """Name the run in Redis (kept if another learner named it first)."""
+        now = repr(self.server_time())
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hsetnx(self.keys.identity, "id", run_id)
+        pipe.hsetnx(self.keys.identity, "created_at", now)
+        self._do(pipe.execute)
+
+    def record_reset(self, run_id: str, step: int, trained_before: int) -> None:
+        """Name the run again in a Redis that lost its data, recording the loss: when, at which learner step, and
+        how many groups had been trained before it (no longer in ``stats``; ``grpo status`` reports them)."""
+        now = repr(self.server_time())
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.identity, mapping={"id": run_id, "reset_at": now, "reset_step": step,
+                                               "trained_before_reset": trained_before})  # fmt: skip
+        pipe.hsetnx(self.keys.identity, "created_at", now)
+        pipe.hincrby(self.keys.identity, "resets", 1)
+        self._do(pipe.execute)
 
     def stats(self) -> dict[str, int]:
         return {as_text(k): int(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.stats)).items()}

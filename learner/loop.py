@@ -11,15 +11,18 @@ import json
 import logging
 import math
 import os
+import re
+import secrets
 import signal
 import socket
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
+import redis
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -40,6 +43,7 @@ from learner.alarms import Alarms
 from learner.broadcast import Broadcaster, Snapshot, snapshot
 from learner.checkpoint import Resumable
 from learner.distributed import Ranks
+from learner.lineage import Lineage
 from learner.trainer import Trainer, disable_dropout
 
 log = logging.getLogger("learner")
@@ -98,6 +102,9 @@ class Learner:
         self.broadcaster: Broadcaster | None = None  # weights.transport nccl, rank 0
         self._publish_lock = threading.Lock()  # the broadcast thread may write a version to disk too
         self._announced = -1  # the newest version this learner announced
+        self._last_announcement: WeightsAnnouncement | None = None  # announced again if Redis loses it
+        self.run_id = ""  # the run's identity in Redis (see check_identity)
+        self.lineage = Lineage()  # the epochs of this policy's lineage: staleness is measured along it
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -108,6 +115,8 @@ class Learner:
             if taken:
                 log.info("took over %d groups an earlier learner had read and not settled", len(taken))
         resumed = self.resume()
+        if self.main:
+            self.claim_identity()
         self.continue_versions()
         if self.main:
             self.transport.clear_done()  # (re)started to train: actors must not stop
@@ -191,7 +200,8 @@ class Learner:
             self._sync_metrics()
         t0 = time.perf_counter()
         cc = self.cfg.checkpoint
-        state = Resumable(self.step, self.version, self.counters(), self.window_ids, self.window_groups)
+        state = Resumable(self.step, self.version, self.counters(), self.window_ids, self.window_groups,
+                          self.run_id, self.lineage.to_json())  # fmt: skip
         t = self.trainer
         checkpoint.save(cc.dir, state, self.model, t.optimizer, t.scheduler, t.generator, cc.keep, self.ranks)
         if self.main:
@@ -223,6 +233,9 @@ class Learner:
         self.groups_consumed = r.counters.get("groups_consumed", 0)
         self.dropped = Counter(r.counters.get("dropped", {}))
         self.dead = r.counters.get("dead", 0)
+        self.run_id = r.run_id
+        # A checkpoint of an earlier build has no lineage: only its own step and version are known to match.
+        self.lineage = Lineage.from_json(r.epochs or [[0, r.step, r.version]])
         if not self.main:
             return True
         self.transport.ack_trained(r.covers, r.covers_groups, r.step, self.cfg.checkpoint.dedup_window)
@@ -233,15 +246,67 @@ class Learner:
     def continue_versions(self) -> None:
         """A learner that crashed may have published weights of steps that no checkpoint has (or before its first
         checkpoint). Versions must never go back or name two different weights (actors and staleness rely on
-        both): the weights we start from become the next version, and steps and versions differ from here on."""
+        both): the weights we start from become the next version after every one announced or still on disk (a
+        Redis that lost its data no longer says), and a new epoch of the lineage begins there (learner.lineage)."""
         if self.main:
             announced = self.transport.latest_weights()
-            if announced is not None and announced.version > self.version:
+            top = max(-1 if announced is None else announced.version, newest_on_disk(self.cfg.weights.dir))
+            if top > self.version:
+                epoch = max(self.lineage.current.epoch, 0 if announced is None else announced.epoch) + 1
                 log.info("version %d was published by an earlier learner after the state we start from: continuing "
-                         "at version %d", announced.version, announced.version + 1)  # fmt: skip
-                self.version = announced.version + 1
+                         "at version %d (epoch %d, from step %d)", top, top + 1, epoch, self.step)  # fmt: skip
+                self.version = top + 1
+                self.lineage.begin(epoch, self.step, self.version)
         if self.ranks is not None:
             self.version = int(self.ranks.broadcast(self.version))
+
+    # -- the run's identity in Redis --------------------------------------------------------------------------
+
+    def claim_identity(self) -> None:
+        """At start: the run id in Redis must be the checkpoint's. A fresh learner adopts the one in Redis (an
+        earlier learner of this run died before its first checkpoint) or names the run; a checkpoint of an earlier
+        build, which has none, names it too."""
+        found = self.transport.identity_id()
+        if not self.run_id:
+            self.run_id = found or secrets.token_hex(8)
+            self.transport.create_identity(self.run_id)
+            return
+        self.check_identity(found)
+
+    def check_identity(self, found: str | None) -> None:
+        """``found``: the run id Redis holds now. Another run's id is a configuration mistake (two runs under one
+        ``run.name``); none at all means Redis lost this run's state, and the run goes on (see redis_lost)."""
+        if found == self.run_id:
+            return
+        if found is not None:
+            raise ConfigError(
+                f"config error: Redis holds run {found} under run.name {self.cfg.run.name}, but this learner's "
+                f"checkpoints ({self.cfg.checkpoint.dir}) are run {self.run_id}'s: give each run its own run.name"
+            )
+        self.redis_lost()
+
+    def redis_lost(self) -> None:
+        """Redis restarted without persistence, was flushed or failed over to an empty replica: the stream, the
+        counters and the announcement are gone. Name the run again (recording what was lost), recreate the stream,
+        announce the current version again, and train on."""
+        log.warning("Redis lost this run's state (restarted without persistence, flushed, or an empty replica): "
+                    "%d groups trained until step %d are no longer in its counters (recorded in %s); the groups in "
+                    "its stream are gone; training goes on", self.groups_consumed, self.step,
+                    self.transport.keys.identity)  # fmt: skip
+        self.transport.record_reset(self.run_id, self.step, self.groups_consumed)
+        self.transport.ensure_consumer_group()
+        self.window_ids, self.window_groups = [], []  # their entries are gone: nothing is left to acknowledge
+        if self._last_announcement is not None:  # actors holding it see a version that did not go back
+            self.transport.announce_weights(self._last_announcement)
+
+    def _stream_gone(self, e: redis.ResponseError) -> bool:
+        """Whether a reply says the stream or its consumer group no longer exists (then: what happened to Redis?)."""
+        text = str(e)
+        if "NOGROUP" not in text and "no longer exists" not in text:
+            return False
+        self.check_identity(self.transport.identity_id())
+        self.transport.ensure_consumer_group()  # the identity survived (the stream alone was deleted): recreate it
+        return True
 
     def _truncate_metrics(self, step: int) -> None:
         """Rows of steps after the checkpoint are about to be trained again: drop them rather than repeat them. A
@@ -295,7 +360,13 @@ class Learner:
         # Between steps, what is pending for this consumer is the groups trained since the last checkpoint (the
         # window) plus anything stranded: taken over at start, or read by a command whose reply was lost. Those
         # come first, then new entries.
-        backlog = self.transport.stranded(self.consumer, set(self.window_ids))
+        self.check_identity(self.transport.identity_id())  # one HGET a step: did Redis lose the run?
+        try:
+            backlog = self.transport.stranded(self.consumer, set(self.window_ids))
+        except redis.ResponseError as e:
+            if not self._stream_gone(e):
+                raise
+            backlog = []
         held = set(self.window_groups)  # group ids trained since the last checkpoint, and taken for this batch
         while len(groups) < want:
             if self.stop.is_set():
@@ -304,7 +375,12 @@ class Learner:
             if backlog:
                 entries, backlog = backlog[:asked], backlog[asked:]
             else:
-                entries = self.transport.read(self.consumer, asked, self.cfg.learner.read_block_ms)
+                try:
+                    entries = self.transport.read(self.consumer, asked, self.cfg.learner.read_block_ms)
+                except redis.ResponseError as e:
+                    if not self._stream_gone(e):
+                        raise
+                    continue
             drops: dict[str, list[str]] = {}
             decoded = [(entry, msg) for entry in entries if (msg := self.decode(entry)) is not None]
             trained = self.transport.trained_before([msg.group_id for _, msg in decoded])
@@ -315,7 +391,7 @@ class Learner:
                     drops.setdefault(reason, []).append(entry.id)
                 else:
                     ids.append(entry.id)
-                    groups.append(msg)
+                    groups.append(self.aligned(msg))
                     held.add(msg.group_id)
             for reason, dropped in drops.items():
                 self.transport.drop(dropped, reason)
@@ -357,14 +433,21 @@ class Learner:
         """Why a valid group cannot be trained on now, or None."""
         if len(msg.completions) != self.cfg.actor.group_size:
             return "group_size"
-        staleness = self.version - msg.policy_version
+        # In learner steps along this policy's lineage: "lineage" for weights of a dead branch (published by a
+        # learner that crashed after its checkpoint), "future" for weights this learner has not reached.
+        reason, staleness = self.lineage.age(msg.policy_version, msg.epoch, self.step)
+        if reason:
+            return reason
         # Too old: the importance ratio against a policy this far behind is no longer a small correction.
         if staleness > self.cfg.learner.max_staleness:
             return "stale"
-        # From a version this learner has not reached (a learner restarted without its checkpoint).
-        if staleness < 0:
-            return "future"
         return None
+
+    def aligned(self, msg: GroupMessage) -> GroupMessage:
+        """The batch measures staleness as version − policy_version: a group of an earlier epoch is given the
+        version its weights have in this epoch's numbering, so that it counts learner steps."""
+        version = self.version - self.lineage.age(msg.policy_version, msg.epoch, self.step)[1]
+        return msg if version == msg.policy_version else replace(msg, policy_version=version)
 
     def publish(self) -> dict[str, float]:
         """Rank 0 hands the version on and announces it; under torchrun every rank first helps gather it whole.
@@ -418,7 +501,7 @@ class Learner:
         with self._publish_lock:
             if version < self._announced:
                 return
-            self.transport.announce_weights(pub.announcement)
+            self._announce(pub.announcement)
             self._announced = version
         self.metrics.publish_seconds.observe(pub.seconds)
         self.metrics.publish_bytes.set(pub.nbytes)
@@ -436,10 +519,15 @@ class Learner:
         with self._publish_lock:
             if version <= self._announced:
                 return
-            ann = WeightsAnnouncement(version, uri, checked, format="nccl")
-            self.transport.announce_weights(ann)
+            self._announce(WeightsAnnouncement(version, uri, checked, format="nccl"))
             self._announced = version
         self.metrics.publish_bytes.set(nbytes)
+
+    def _announce(self, ann: WeightsAnnouncement) -> None:
+        """Announce with this lineage's epoch (actors stamp it on their groups), and keep it to announce again."""
+        ann = replace(ann, epoch=self.lineage.current.epoch)
+        self.transport.announce_weights(ann)
+        self._last_announcement = ann
 
     def _actors_without_nccl(self) -> bool:
         """Whether a live actor is not a member of the update group (its engine loads from disk only)."""
@@ -541,6 +629,16 @@ class Learner:
 
 
 # -- the process ------------------------------------------------------------------------------------------------
+
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+
+
+def newest_on_disk(weights_dir: str) -> int:
+    """The highest version under ``weights.dir`` (-1: none): a version some actor may hold, announced or not."""
+    root = Path(weights_dir)
+    if not root.is_dir():
+        return -1
+    return max((int(m.group(1)) for p in root.iterdir() if (m := _VERSION_DIR.match(p.name))), default=-1)
 
 
 def _json_row(row: dict[str, Any]) -> str:
