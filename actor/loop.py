@@ -31,7 +31,7 @@ from common.model_import import prepare_model_path
 from common.models import max_positions
 from common.schemas import Completion, FilteredStats, GroupMessage, WeightsAnnouncement, encode_group
 from common.tasks import Problem, PromptEncoder, make_task
-from common.transport import Transport, round_fits
+from common.transport import Admission, Transport, round_fits
 from common.weights import WeightsError
 from grader.pool import GraderPool, open_grader
 
@@ -62,6 +62,8 @@ class Actor:
         self.filter = ZeroStdFilter(cfg.actor.filter_zero_std, cfg.actor.max_consecutive_filtered)
         self.pending_filtered = FilteredStats()
         self.stop = threading.Event()
+        lc = cfg.learner
+        self.admission = Admission(cfg.actor.max_stream_groups, lc.batch_groups, lc.max_staleness, lc.publish_every - 1)
         self.groups_sent = 0
         self.rounds = 0
         self.version_sampled = engine.version  # the policy version of the round being sampled
@@ -112,6 +114,7 @@ class Actor:
         finally:
             self._beats_stop.set()
             beats.join()
+            self._release_round()
             self._pubsub.close()
             if self.receiver is not None:
                 self.receiver.unregister()
@@ -167,14 +170,27 @@ class Actor:
         self._wait(behind, until_clear=True)
 
     def wait_for_room(self) -> bool:
-        """Backpressure: while a whole round would not fit under the bound on unread groups, wait (a weights
-        announcement wakes us early) instead of sampling a round that would wait in send() and age meanwhile.
-        Returns False when the loop should re-check its exit conditions first."""
-        bound, need = self.cfg.actor.max_stream_groups, self.cfg.actor.prompts_per_round
-        if round_fits(self.transport.unread(), need, bound):
+        """Backpressure, before sampling: reserve room for a whole round among the groups the learner can still
+        train in time (:meth:`Transport.reserve_round`: within ``actor.max_stream_groups`` unread, and no more
+        groups ahead of the learner, rounds other actors are sampling included, than it trains before they pass
+        ``learner.max_staleness``). Without room, wait (a weights announcement wakes us early) rather than sample a
+        round that would age waiting and be dropped as stale. Returns False when the loop should re-check its exit
+        conditions (and load new weights) first."""
+        if self._reserve_round():
             return True
-        self._wait(lambda: not round_fits(self.transport.unread(), need, bound))
+        self._wait(lambda: not self._reserve_round())
         return False
+
+    def _reserve_round(self) -> bool:
+        version, need = self.engine.version, self.cfg.actor.prompts_per_round
+        return self.transport.reserve_round(self.id, need, version, self.admission, self.cfg.actor.heartbeat_ttl_s)
+
+    def _release_round(self) -> None:
+        """Best effort, on the way out (Redis may be what failed): a reservation left behind ends with its lease."""
+        try:
+            self.transport.release_round(self.id)
+        except Exception as e:
+            log.debug("releasing the round's reservation: %s", e)
 
     def _wait(self, blocked: Callable[[], bool], *, until_clear: bool = False) -> None:
         """Wait while ``blocked()``, counted as backpressure; a weights announcement ends the wait early so that the
@@ -263,7 +279,7 @@ class Actor:
         # The bound is checked again with the writes, atomically: many actors together never overshoot it. A round
         # that does not fit waits whole (never half a round), or is given up when the actor is asked to stop.
         bound = self.cfg.actor.max_stream_groups
-        while self.transport.produce(payloads, dict(counters), bound=bound) is None:
+        while self.transport.produce(payloads, dict(counters), bound=bound, holder=self.id) is None:
             if self.stop.is_set() or self.transport.is_done():
                 log.info("dropping an unsent round of %d groups: stopping", len(payloads))
                 return
@@ -327,6 +343,7 @@ class Actor:
             self._next_heartbeat = now + ttl / 3
             info = {"version": self.engine.version, "groups_sent": self.groups_sent, "rounds": self.rounds}
             self.transport.heartbeat(self.id, ttl, info)
+            self.transport.renew_reservation(self.id, ttl)  # a round longer than the lease keeps its room
             if self.receiver is not None:
                 self.receiver.register()
 

@@ -13,6 +13,10 @@ prints the figures and the bounds they are checked against, and exits 1 if one w
 - Redis used_memory <= its value before the run + the stream's bound above + the trained-group-id window at its
   cap (checkpoint.dedup_window x learner.batch_groups ids, 150 bytes each) + 1 MiB for the run's other keys.
 
+It also reports the waste and the idling that backpressure trades against each other: the share of produced groups
+dropped as stale, and the learner's idle share (its steps' ``time/wait_s`` over their ``time/step_s`` in
+metrics.jsonl, for the steps taken while measuring).
+
 All processes are stopped by PID at the end (SIGTERM, then SIGKILL), and the Redis with them.
 """
 
@@ -111,6 +115,7 @@ def main() -> int:
         ids_bound = 150 * cfg.checkpoint.dedup_window * cfg.learner.batch_groups
         memory_bound = baseline + stream_memory_bound + ids_bound + 2**20
         trained_ids = int(t.client.zcard(t.keys.trained_ids))
+        idle = _idle_share(Path(cfg.run.dir) / "metrics.jsonl", step0, step0 + steps)
     finally:
         for proc in procs:
             stop_process(proc, grace_s=20)
@@ -134,6 +139,8 @@ def main() -> int:
         "max_stream_groups": cfg.actor.max_stream_groups,
         "group_bytes_max": group_bytes,
         "groups_dropped": last.dropped,
+        "stale_share_of_produced": round(final.dropped.get("stale", 0) / max(final.produced, 1), 3) if final else None,
+        "learner_idle_share": round(idle, 3),
         "stream_memory_max_mb": round(max(s["stream_memory"] for s in samples) / 2**20, 2),
         "stream_memory_bound_mb": round(stream_memory_bound / 2**20, 2),
         "trained_ids_held": trained_ids,
@@ -151,6 +158,13 @@ def main() -> int:
     ok = ok and final is not None and final.unexplained == 0
     print("within bounds" if ok else "BOUND EXCEEDED", f"(figures in {out / 'load.json'})")
     return 0 if ok else 1
+
+
+def _idle_share(metrics: Path, after: int, upto: int) -> float:
+    """The learner's time waiting for groups over its steps' time, for the steps after ``after`` up to ``upto``."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "time/wait_s" in r and after < r["policy_version"] <= upto]
+    return sum(r["time/wait_s"] for r in steps) / max(sum(r["time/step_s"] for r in steps), 1e-9)
 
 
 def _step(t: Transport) -> int:

@@ -12,6 +12,7 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 ``stats``              hash        durable counters, see below
 ``done``               string      set by the learner after its last step; actors exit when they see it
 ``trained_ids``        sorted set  group ids trained on, by step (a bounded window), to train a duplicate once
+``inflight``           hash        rounds actors are sampling: actor id -> ``<groups> <lease end, ms of Redis's clock>``
 ``identity``           hash        the run's identity (``id``, ``created_at``), also in every checkpoint; and what a
                                    Redis that lost its data lost (``resets``, ``reset_at``, ``reset_step``,
                                    ``trained_before_reset``: groups trained before the loss, not in ``stats``)
@@ -26,6 +27,10 @@ The learner deletes (XDEL) each entry in the transaction that acknowledges it, s
 groups that are unread or pending; actors bound the unread ones with backpressure (checked in the script that
 writes them), never with MAXLEN (trimming could drop a group nobody has trained on). Groups an actor filters out
 never enter the stream and are counted apart as ``groups_filtered:<reason>``.
+
+Room is reserved before sampling (``inflight``, :meth:`Transport.reserve_round`): an actor samples a round only while
+the groups ahead of it (unread, plus rounds other actors are sampling) and the round itself can be trained before they
+pass ``max_staleness``, so that generation is not spent on groups the learner will drop as stale.
 """
 
 from __future__ import annotations
@@ -92,8 +97,8 @@ _UNREAD = _UNREAD_LUA + "return unread(KEYS[1], ARGV[1])"
 _PRODUCE = (
     _UNREAD_LUA
     + """
-local ncount = tonumber(ARGV[3])
-local first = 4 + 2 * ncount
+local ncount = tonumber(ARGV[4])
+local first = 5 + 2 * ncount
 local npay = #ARGV - first + 1
 local bound = tonumber(ARGV[2])
 if npay > 0 and bound >= 0 then
@@ -103,10 +108,50 @@ end
 local ids = {}
 for i = first, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'data', ARGV[i]) end
 if npay > 0 then redis.call('HINCRBY', KEYS[2], 'groups_produced', npay) end
-for i = 0, ncount - 1 do redis.call('HINCRBY', KEYS[2], ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
+for i = 0, ncount - 1 do redis.call('HINCRBY', KEYS[2], ARGV[5 + 2 * i], ARGV[6 + 2 * i]) end
+if ARGV[3] ~= '' then redis.call('HDEL', KEYS[3], ARGV[3]) end  -- the round is in: its reservation ends
 return ids
 """
 )
+# Reserve room for a round an actor is about to sample (see Admission). Reservations are leases on Redis's clock,
+# renewed by the actor's heartbeat: a killed actor's expires and is removed here.
+_RESERVE = (
+    _UNREAD_LUA
+    + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local reserved = 0
+local held = redis.call('HGETALL', KEYS[2])
+for i = 1, #held, 2 do
+  local n, lease_end = string.match(held[i + 1], '^(%d+) (%d+)$')
+  if n == nil or tonumber(lease_end) <= now then redis.call('HDEL', KEYS[2], held[i])
+  elseif held[i] ~= ARGV[2] then reserved = reserved + tonumber(n) end
+end
+local ahead = unread(KEYS[1], ARGV[1]) + reserved
+local need = tonumber(ARGV[3])
+local limit = tonumber(ARGV[4])
+local announced = tonumber(redis.call('HGET', KEYS[3], 'version') or '')
+if announced ~= nil then
+  local lag = math.max(0, announced + tonumber(ARGV[8]) - tonumber(ARGV[7]))
+  limit = math.min(limit, tonumber(ARGV[5]) * (tonumber(ARGV[6]) + 1 - lag))
+end
+if ahead > 0 and ahead + need > limit then  -- round_fits(ahead, need, limit)
+  redis.call('HDEL', KEYS[2], ARGV[2])
+  return 0
+end
+redis.call('HSET', KEYS[2], ARGV[2], need .. ' ' .. (now + tonumber(ARGV[9])))
+return 1
+"""
+)
+_RENEW = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if not v then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n = string.match(v, '^(%d+) ') or '0'
+redis.call('HSET', KEYS[1], ARGV[1], n .. ' ' .. (now + tonumber(ARGV[2])))
+return 1
+"""
 _DEAD_LETTER = """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if redis.call('XDEL', KEYS[1], ARGV[2]) == 0 then return 0 end
@@ -138,6 +183,20 @@ def round_fits(unread: int, size: int, bound: int) -> bool:
     unread ones plus it stay within ``bound``, and any round fits an empty stream (one larger than the bound must
     still go somewhere). Actors wait on this very rule, so a round the script refuses is one they wait for."""
     return unread == 0 or unread + size <= bound
+
+
+@dataclass(frozen=True)
+class Admission:
+    """How much actors may have ahead of the learner (:meth:`Transport.reserve_round`): at most ``bound`` unread
+    groups (``actor.max_stream_groups``), and no more than the learner can train before they pass ``max_staleness``.
+    The learner trains ``batch_groups`` a step and its version grows by one a step, so a round sampled with version
+    v, behind ``ahead`` groups, is trained by version A + ⌈(ahead + round) / batch_groups⌉ − 1, where A is the
+    learner's version: the announced one plus up to ``versions_ahead`` (``learner.publish_every`` − 1)."""
+
+    bound: int
+    batch_groups: int
+    max_staleness: int
+    versions_ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -200,6 +259,7 @@ class Keys:
         self.stats = self.prefix + "stats"
         self.done = self.prefix + "done"
         self.trained_ids = self.prefix + "trained_ids"
+        self.inflight = self.prefix + "inflight"
         self.identity = self.prefix + "identity"
         self.nccl_members = self.prefix + "nccl:members"
         self.nccl_round = self.prefix + "nccl:round"
@@ -309,6 +369,8 @@ class Transport:
         self._settle_script = self.client.register_script(_SETTLE)
         self._settle_trained_script = self.client.register_script(_SETTLE_TRAINED)
         self._produce_script = self.client.register_script(_PRODUCE)
+        self._reserve_script = self.client.register_script(_RESERVE)
+        self._renew_script = self.client.register_script(_RENEW)
         self._unread_script = self.client.register_script(_UNREAD)
         self._dead_script = self.client.register_script(_DEAD_LETTER)
         self._replay_script = self.client.register_script(_REPLAY)
@@ -347,24 +409,52 @@ class Transport:
     # -- groups stream: actors --------------------------------------------------------------------------------
 
     def produce(
-        self, payloads: list[bytes], counters: dict[str, int] | None = None, *, bound: int | None = None
+        self,
+        payloads: list[bytes],
+        counters: dict[str, int] | None = None,
+        *,
+        bound: int | None = None,
+        holder: str = "",
     ) -> list[str] | None:
         """XADD groups and count them as produced, atomically: all of them or none.
 
         ``counters`` are other ``stats`` increments of the same round, such as ``groups_filtered:zero_std`` for
         groups that were sampled and not sent (they never enter the stream). With ``bound``, nothing is written and
         None is returned when the stream's unread groups plus these would exceed it (a round always fits an empty
-        stream): the check and the writes are one script, so many actors together never overshoot the bound."""
+        stream): the check and the writes are one script, so many actors together never overshoot the bound.
+        Written, the round ends ``holder``'s reservation (:meth:`reserve_round`)."""
         counters = {k: n for k, n in (counters or {}).items() if n}
         if not payloads and not counters:
             return []
-        args: list[Any] = [CONSUMER_GROUP, -1 if bound is None else bound, len(counters)]
+        args: list[Any] = [CONSUMER_GROUP, -1 if bound is None else bound, holder, len(counters)]
         for name, n in counters.items():
             args += [name, n]
-        reply = self._do(
-            lambda: self._produce_script(keys=[self.keys.groups, self.keys.stats], args=[*args, *payloads])
-        )
+        keys = [self.keys.groups, self.keys.stats, self.keys.inflight]
+        reply = self._do(lambda: self._produce_script(keys=keys, args=[*args, *payloads]))
         return None if reply is None else [as_text(i) for i in reply]
+
+    def reserve_round(self, holder: str, groups: int, version: int, admission: Admission, lease_s: float) -> bool:
+        """Reserve room for a round of ``groups`` that ``holder`` is about to sample with policy ``version``; False
+        (and no reservation) when the groups ahead of it (unread, and the rounds others reserved) plus the round
+        would pass ``admission.bound`` or could not all be trained within ``max_staleness`` (see
+        :class:`Admission`); any round may enter an empty pipeline. One script: actors never overbook together.
+        The reservation lasts ``lease_s`` (renewed by :meth:`renew_reservation`) and ends when its round is written
+        or the actor releases it."""
+        a = admission
+        lease_ms = max(1, int(lease_s * 1000))
+        args: list[Any] = [CONSUMER_GROUP, holder, groups, a.bound, a.batch_groups, a.max_staleness, version,
+                           a.versions_ahead, lease_ms]  # fmt: skip
+        keys = [self.keys.groups, self.keys.inflight, self.keys.weights_latest]
+        return bool(self._do(lambda: self._reserve_script(keys=keys, args=args)))
+
+    def renew_reservation(self, holder: str, lease_s: float) -> None:
+        """Extend ``holder``'s reservation, if it has one, by ``lease_s`` from now (with each heartbeat)."""
+        lease_ms = max(1, int(lease_s * 1000))
+        self._do(lambda: self._renew_script(keys=[self.keys.inflight], args=[holder, lease_ms]))
+
+    def release_round(self, holder: str) -> None:
+        """Give up ``holder``'s reservation (a round it will not send)."""
+        self._do(lambda: self.client.hdel(self.keys.inflight, holder))
 
     def stream_length(self) -> int:
         return int(self._do(lambda: self.client.xlen(self.keys.groups)))

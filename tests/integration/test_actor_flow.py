@@ -62,3 +62,23 @@ def test_the_heartbeat_outlives_a_round_longer_than_its_ttl(
         assert "actor-it" in t.live_actors(), f"the key expired {time.monotonic() - t0:.1f}s into the round"
         assert actor_groups(t) == []  # still sampling the first round
         time.sleep(0.25)
+
+
+def test_the_actor_samples_only_what_the_learner_can_train_before_it_is_stale(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.weights import publish
+
+    t = Transport(RedisConfig(url=redis_url), "it")
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    t.announce_weights(publish(model, tok, tmp_path / "weights", 0, keep=2).announcement)
+    # Batches of 8 and no staleness allowed: only the next batch can be trained with version 0. The stream's own
+    # bound (16 unread) would admit twice that, and the second half would be dropped as stale.
+    args = sim_actor(tiny_model_dir, tmp_path, redis_url, "learner.max_staleness=0")
+    processes.grpo(*args, log=tmp_path / "actor.log")
+    assert wait_until(lambda: t.stream_length() >= 8, 120), (tmp_path / "actor.log").read_text()
+    time.sleep(3)
+    assert t.stream_length() == 8
+    assert cursor(t) == 8  # and it sampled no more than it sent
