@@ -10,12 +10,14 @@ Both take the same ``--config FILE`` and ``-o key=value`` as the roles, so ``red
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from common.cli import role_parser
-from common.config import load_config
+from common.config import Config, load_config
 from common.schemas import SchemaError, as_text, decode_group
 from common.transport import Transport, read_balance
 
@@ -31,15 +33,18 @@ def status_main(argv: Sequence[str]) -> int:
     p = role_parser("grpo status", "The accounting equation and the state of a run, read from Redis.")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     args = p.parse_args(list(argv))
+    cfg = load_config(args.config, args.override)
     t = _transport(args)
     try:
         b = read_balance(t)
+        lost = lost_state(cfg, t, b.trained)
         ann = t.latest_weights()
         actors = t.live_actors()
         versions = {k: v.get("version") for k, v in sorted(actors.items())}
         report: dict[str, object] = {
             "run": t.keys.prefix,
-            "equation": b.equation(),
+            # Balanced counts in a Redis that lost the run's state are not the run's accounting: never "balanced".
+            "equation": b.equation().replace("(balanced)", "(balanced since the loss)" if lost else "(balanced)"),
             "produced": b.produced,
             "trained": b.trained,
             "dropped": b.dropped,
@@ -48,6 +53,7 @@ def status_main(argv: Sequence[str]) -> int:
             "unread": b.unread,
             "filtered": b.filtered,
             "unexplained": b.unexplained,
+            "lost": lost,  # what Redis no longer holds of the run (empty: the counts are the whole run's)
             "published_version": None if ann is None else ann.version,
             "done": t.is_done(),
             "actors": versions,
@@ -59,9 +65,53 @@ def status_main(argv: Sequence[str]) -> int:
     else:
         print(f"run {report['run']}  published version {report['published_version']}  done {report['done']}")
         print(report["equation"])
+        for line in lost:
+            print(f"NOT WHOLE: {line}")
         print(f"dropped {b.dropped}  filtered {b.filtered}")
         print(f"{len(actors)} live actors: " + ", ".join(f"{k} (v{v})" for k, v in versions.items()))
-    return 0 if b.unexplained == 0 else 1
+    return 0 if b.unexplained == 0 and not lost else 1
+
+
+def lost_state(cfg: Config, t: Transport, trained: int) -> list[str]:
+    """What Redis no longer knows of this run, in words (empty when it holds the whole run): a loss the learner
+    recorded in the run's identity, and, where this machine sees the run's checkpoints, a run they show trained
+    that Redis holds nothing of, another run's identity, or fewer trained groups than they show."""
+    identity = t.identity()
+    lost = []
+    before = int(identity.get("trained_before_reset", 0))
+    if "reset_at" in identity:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(identity["reset_at"])))
+        lost.append(f"Redis lost this run's state at {when} (learner step {identity.get('reset_step')}, "
+                    f"{identity.get('resets')} time(s)): {before} groups trained before are not in these "
+                    "counts")  # fmt: skip
+    found = _newest_checkpoint(Path(cfg.checkpoint.dir))
+    if found is None:
+        return lost
+    path, state = found
+    run_id, step = state.get("run_id"), state.get("step")
+    shown = int(state.get("counters", {}).get("groups_consumed", 0))
+    if run_id and "id" not in identity:
+        lost.append(f"Redis holds nothing of run {run_id}, which {path} shows trained to step {step} ({shown} "
+                    f"groups): it lost the run's state (the learner records it when it next starts)")  # fmt: skip
+    elif run_id and identity["id"] != run_id:
+        lost.append(f"Redis holds run {identity['id']} under this run.name, not run {run_id} of {path}")
+    elif trained < shown - before:
+        lost.append(f"Redis counts {trained} groups trained where {path} shows {shown - before}: it lost part of "
+                    f"this run's state (restored from an older copy?)")  # fmt: skip
+    return lost
+
+
+def _newest_checkpoint(root: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint's ``state.json`` that parses (read only: status never touches the run directory)."""
+    steps = sorted((p for p in root.glob("step-*") if re.fullmatch(r"step-\d{6,}", p.name)), reverse=True)
+    for path in steps:
+        try:
+            state = json.loads((path / "state.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(state, dict):
+            return path, state
+    return None
 
 
 def dead_main(argv: Sequence[str]) -> int:
