@@ -73,7 +73,9 @@ class LocalEngine:
         )
 
     def load(self, ann: WeightsAnnouncement) -> int:
-        state, nbytes = load_state_dict(ann)
+        """All or nothing: a version that is unreadable, outside ``weights.dir`` or does not fit the model raises
+        WeightsError before a tensor of the model is touched, and the version stays the one it holds."""
+        state, nbytes = load_state_dict(ann, root=self.cfg.weights.dir)
         load_into(self.model, state)
         self.version = ann.version
         return nbytes
@@ -159,7 +161,7 @@ class SimEngine:
         return groups
 
     def load(self, ann: WeightsAnnouncement) -> int:
-        _, nbytes = load_state_dict(ann)
+        _, nbytes = load_state_dict(ann, root=self.cfg.weights.dir)
         self.version = ann.version
         return nbytes
 

@@ -35,7 +35,7 @@ from common.config import Config
 from common.generation import Sample
 from common.schemas import WeightsAnnouncement
 from common.weight_sync import Round
-from common.weights import WeightsError, shape_mismatch, tensor_shapes, verify
+from common.weights import WeightsError, WeightsMismatch, confined, mismatch, tensor_specs, verify
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +205,9 @@ class SGLangEngine:
         self.on_event = on_event  # engine incidents survived, by kind (grpo_actor_engine_events_total)
         self._said_flush = False
         # A real server's scheduler dies on a checkpoint whose shapes differ from its model's (an assertion in its
-        # weight loader, then SGLang kills itself): new versions are checked against the served model's first.
-        self.shapes = tensor_shapes(cfg.model.path) if Path(cfg.model.path).is_dir() else {}
+        # weight loader, then SGLang kills itself): new versions are checked against the served model's first
+        # (names, shapes and dtypes, as the local engine checks them).
+        self.specs = tensor_specs(cfg.model.path, published=False) if Path(cfg.model.path).is_dir() else {}
         self.server = None if sc.url else LaunchedServer(cfg, name)
         url = sc.url or self.server.url  # type: ignore[union-attr]
         self.client = SGLangClient(url, sc.timeout_s, sc.retries, self.server.gone if self.server else lambda: None)
@@ -274,13 +275,18 @@ class SGLangEngine:
         self.version, self.served = int(served), served
 
     def load(self, ann: WeightsAnnouncement) -> int:
-        """Verify the published directory against its digest, then have the server load it as our version."""
-        nbytes = verify(ann)
-        if self.shapes and (problem := shape_mismatch(self.shapes, tensor_shapes(ann.uri))):
-            raise WeightsError(f"weights v{ann.version} do not fit the served model ({problem}): not sent to the "
-                               "SGLang server, which would die loading them")  # fmt: skip
+        """Verify the published directory (inside ``weights.dir``) against its digest and the served model's
+        tensors, then have the server load it as our version. Refused before the server sees it: the server keeps
+        its weights and the engine its version."""
+        directory = confined(ann.uri, self.cfg.weights.dir)
+        nbytes = verify(ann, root=self.cfg.weights.dir)
+        if self.specs and (problem := mismatch(self.specs, tensor_specs(directory))):
+            raise WeightsMismatch(f"weights v{ann.version} do not fit the served model ({problem}): not sent to the "
+                                  "SGLang server, which would die loading them")  # fmt: skip
         version = str(ann.version)
-        body = {"model_path": ann.uri, "weight_version": version, "abort_all_requests": False, "flush_cache": True}
+        # The resolved directory, not the announced name: the server reads what was checked.
+        body = {"model_path": str(directory), "weight_version": version, "abort_all_requests": False,
+                "flush_cache": True}  # fmt: skip
         reply = self.client.request("POST", "/update_weights_from_disk", body, ok_statuses=(400,))
         message = str(reply.get("message", "")) if isinstance(reply, dict) else str(reply)
         if not (isinstance(reply, dict) and reply.get("success")):

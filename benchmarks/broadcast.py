@@ -45,7 +45,11 @@ def receiver(model_dir: str, device: str) -> int:
 
     hf_logging.disable_progress_bar()
     engine = LocalEngine.__new__(LocalEngine)  # the real engine's weight paths, without a tokenizer or sampling
-    engine.cfg = Config.model_validate({"model": {"path": model_dir, "device": device}})
+    # Versions are published beside the model (weights-<k>/): the engine reads only inside its weights.dir.
+    weights_dir = str(Path(model_dir).parent)
+    engine.cfg = Config.model_validate(
+        {"model": {"path": model_dir, "device": device}, "weights": {"dir": weights_dir}}
+    )
     engine.model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
     engine.version = 0
     engine._group = None

@@ -1,8 +1,12 @@
 """The weight store: one HF-format safetensors directory per policy version, on a volume learner and actors share.
 
 Layout: ``<weights.dir>/v000012/`` holds ``config.json``, ``model.safetensors`` (or shards), tokenizer files, and
-``digest`` (the digest announced in ``weights:latest``). A version is written under a temporary name and renamed
-into place, so a reader sees either nothing or the whole directory; only the newest ``keep`` versions stay.
+``digest`` (the digest announced in ``weights:latest``). A version is written under a temporary name, synced and
+renamed into place, so a reader sees either nothing or the whole directory; the newest ``keep`` versions stay, and
+the announced one whatever its number.
+
+Actors read only what lies inside ``weights.dir`` (the announced ``uri`` resolved, symlinks included) and open only
+regular files: an announcement is data from Redis, not a path to trust.
 
 The digest covers every ``*.safetensors`` file in name order; actors check it before loading. It is
 ``xxh3-128`` by default (``weights.digest``): what it guards against is a torn, truncated, pruned or rewritten
@@ -13,6 +17,7 @@ digest of what was served; someone able to write the weights volume could rewrit
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -21,10 +26,12 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import struct
+import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +42,7 @@ import torch
 import xxhash
 
 from common.schemas import DIGEST_HEX_LENGTHS, WeightsAnnouncement
+from common.storage import fsync_dir, fsync_tree
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,21 @@ _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 class WeightsError(RuntimeError):
     """A published version is missing, incomplete, or does not match its digest."""
+
+    reason = "unreadable"  # the label it is counted under (grpo_actor_weight_load_failures_total{reason})
+
+
+class WeightsMismatch(WeightsError):
+    """A version whose tensors' names, shapes or dtypes do not fit the model being served."""
+
+    reason = "mismatch"
+
+
+class UnsafeWeightsPath(WeightsError):
+    """An announced uri outside ``weights.dir`` (or leaving it through a symlink), or a file that is not a regular
+    file: never opened, so a FIFO cannot block a reader and a symlink cannot make it read another file."""
+
+    reason = "path"
 
 
 def version_dir(root: str | os.PathLike[str], version: int) -> Path:
@@ -62,7 +85,7 @@ def digest(directory: str | os.PathLike[str], algorithm: str = "xxh3-128") -> tu
 def _hash_file(h: Any, path: Path) -> int:
     """Stream one file into ``h`` without holding it in memory (a mapping on a local filesystem, 16 MiB reads on a
     network one: see _contents); returns its size. Verifying a version an engine loads itself needs no buffer."""
-    with path.open("rb", buffering=0) as fh:
+    with open_regular(path) as fh:
         if _mapped(path) and os.fstat(fh.fileno()).st_size:
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
                 h.update(m)
@@ -108,7 +131,7 @@ def _contents(path: Path) -> Any:
     place; the store never writes a file in place, and a version pruned meanwhile keeps its pages while mapped); on
     a network one, or where the type is unknown, a plain read into memory, which fails cleanly where a mapping of a
     file another host deleted would end the process."""
-    with path.open("rb", buffering=0) as fh:
+    with open_regular(path) as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:
             raise WeightsError(f"{path}: empty file")
@@ -121,6 +144,50 @@ def _contents(path: Path) -> Any:
     if got != size:
         raise WeightsError(f"{path}: {got} of {size} bytes read (the file changed while being read)")
     return buf
+
+
+def open_regular(path: Path, *, follow_symlinks: bool = False) -> Any:
+    """``path`` opened for unbuffered reading, only when it is a regular file; UnsafeWeightsPath otherwise, without
+    opening it where lstat already tells (a device node, a FIFO, a symlink). The open itself neither follows a
+    symlink (O_NOFOLLOW) nor waits for a FIFO's writer (O_NONBLOCK), and what it opened is checked again (fstat), so
+    a file swapped meanwhile cannot slip through. ``follow_symlinks``: for a model directory of the user's own (a
+    Hugging Face cache links its files to blobs), never for a published version."""
+    if not follow_symlinks and not stat.S_ISREG(os.lstat(path).st_mode):
+        raise UnsafeWeightsPath(f"{path}: not a regular file (a symlink, FIFO or device): refused")
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeWeightsPath(f"{path}: a symlink: refused") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeWeightsPath(f"{path}: not a regular file: refused")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def confined(uri: str, root: str | os.PathLike[str]) -> Path:
+    """The announced directory ``uri``, resolved (``..`` and every symlink followed), when it lies inside ``root``
+    (``weights.dir``, resolved the same way); UnsafeWeightsPath otherwise. The learner writes every version there,
+    so an announcement naming anything else (an absolute path elsewhere, ``../``, a symlink out of the directory)
+    is refused before a byte is read."""
+    try:
+        base, target = Path(os.path.realpath(root)), Path(os.path.realpath(uri))
+    except (ValueError, OSError) as e:  # a NUL byte, a symlink loop
+        raise UnsafeWeightsPath(f"weights uri {uri[:200]!r}: {e}") from None
+    if base not in target.parents:
+        raise UnsafeWeightsPath(f"weights uri {uri[:200]!r} is outside weights.dir {str(base)!r}: refused")
+    return target
+
+
+def _published_dir(ann: WeightsAnnouncement, root: str | os.PathLike[str] | None) -> Path:
+    """Where to read ``ann`` from: confined to ``root`` (what actors pass: ``weights.dir``), or as announced."""
+    return Path(ann.uri) if root is None else confined(ann.uri, root)
 
 
 def _hasher(algorithm: str) -> Any:
@@ -167,6 +234,7 @@ def publish(
     *,
     prune_in_background: bool = False,
     state_dict: dict[str, torch.Tensor] | None = None,
+    protect: Collection[int] = (),
 ) -> Published:
     """Write ``version`` atomically and prune old versions. The caller announces it (see Transport).
 
@@ -175,13 +243,40 @@ def publish(
     ``digest_algorithm`` (``weights.digest``): see the module's docstring. ``state_dict``: the tensors to write when
     they are not the model's own (a sharded learner gathers them whole first). With ``prune_in_background`` (the
     learner's choice) old versions are deleted by a thread while training goes on: freeing a model's pages costs as
-    much as a third of writing it, and nobody waits for it. The next publish first waits for that prune, so two
-    never overlap."""
+    much as a third of writing it, and nobody waits for it. ``protect``: versions the prune keeps whatever their
+    number (the one announced now); ``version`` itself is always kept.
+
+    One writer at a time in a process (the learner's training loop and its broadcast thread both publish): a
+    publish waits for the one before it and for that one's prune, so a prune never runs beside a write of this
+    process. Every file and the directory are synced before the rename, and the rename after it: a version that
+    other state depends on (an announcement, groups deleted from Redis) is never a name over empty files after a
+    power loss."""
     t0 = time.perf_counter()
     root = Path(root)
-    wait_pruned(root)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-v{version:06d}-{uuid.uuid4().hex[:8]}"
+    with _one_writer:
+        wait_pruned(root)
+        root.mkdir(parents=True, exist_ok=True)
+        final, checked, nbytes = _write_version(model, tokenizer, root, version, dtype, digest_algorithm, state_dict)
+        kept = {version, *protect}
+        if prune_in_background:
+            _pruning[root] = _pruner.submit(prune, root, keep, kept)
+        else:
+            prune(root, keep, kept)
+    ann = WeightsAnnouncement(version=version, uri=str(final), digest=checked)
+    return Published(ann, nbytes, time.perf_counter() - t0)
+
+
+def _write_version(
+    model: Any,
+    tokenizer: Any,
+    root: Path,
+    version: int,
+    dtype: str,
+    digest_algorithm: str,
+    state_dict: dict[str, torch.Tensor] | None,
+) -> tuple[Path, str, int]:
+    """Write a version under a temporary name this process owns (see prune), sync it, and rename it into place."""
+    tmp = root / f".tmp-v{version:06d}-{_OWNER}-{uuid.uuid4().hex[:8]}"
     try:
         state = state_dict
         if dtype != "model":
@@ -195,19 +290,16 @@ def publish(
             tokenizer.save_pretrained(tmp)
         checked, nbytes = digest(tmp, digest_algorithm)
         (tmp / "digest").write_text(checked + "\n")
+        fsync_tree(tmp)
         final = version_dir(root, version)
         if final.exists():  # a version re-published after a resume replaces the old copy
             shutil.rmtree(final)
         os.rename(tmp, final)
+        fsync_dir(root)
+        return final, checked, nbytes
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    if prune_in_background:
-        _pruning[root] = _pruner.submit(prune, root, keep)
-    else:
-        prune(root, keep)
-    ann = WeightsAnnouncement(version=version, uri=str(final), digest=checked)
-    return Published(ann, nbytes, time.perf_counter() - t0)
 
 
 def _set_config_dtype(path: Path, dtype: str) -> None:
@@ -218,18 +310,36 @@ def _set_config_dtype(path: Path, dtype: str) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def prune(root: str | os.PathLike[str], keep: int) -> None:
-    """Keep the newest ``keep`` versions. Also removes half-written ``.tmp-*`` copies of a killed publisher: the
-    learner is a run's only publisher, and it calls this after its own copy was renamed into place."""
+def prune(root: str | os.PathLike[str], keep: int, protect: Collection[int] = ()) -> None:
+    """Keep the newest ``keep`` versions and those in ``protect`` (the announced one: after a resume it may be
+    numbered below versions a lost learner left). Also removes half-written ``.tmp-v*`` copies, but only this
+    process's own (none is being written: see publish) or ones untouched for ``_TMP_MAX_AGE_S`` (a killed
+    publisher's): another publisher's copy in progress is never deleted under it."""
     for leftover in Path(root).glob(".tmp-v*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+        if _OWNER in leftover.name or _untouched_for(leftover) > _TMP_MAX_AGE_S:
+            shutil.rmtree(leftover, ignore_errors=True)
     versions = sorted(
         (int(m.group(1)), p) for p in Path(root).iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()
     )
-    for _v, path in versions[:-keep] if keep > 0 else versions:
-        shutil.rmtree(path, ignore_errors=True)
+    for v, path in versions[:-keep] if keep > 0 else versions:
+        if v not in protect:
+            shutil.rmtree(path, ignore_errors=True)
 
 
+def _untouched_for(directory: Path) -> float:
+    """Seconds since anything in ``directory`` (itself or a file in it) was last modified."""
+    try:
+        times = [directory.lstat().st_mtime] + [e.stat(follow_symlinks=False).st_mtime for e in os.scandir(directory)]
+    except OSError:  # removed meanwhile, or unreadable: not ours to judge
+        return 0.0
+    return time.time() - max(times)
+
+
+# Each publishing process's temporary copies carry its token, so that its prune can tell them from another's.
+_OWNER = f"p{os.getpid()}{uuid.uuid4().hex[:6]}"
+# A temporary copy untouched this long is a killed publisher's leftover (saving a shard touches its file throughout).
+_TMP_MAX_AGE_S = 3600.0
+_one_writer = threading.Lock()
 _pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-prune")  # joined at interpreter exit
 _pruning: dict[Path, Future[None]] = {}
 
@@ -243,13 +353,16 @@ def wait_pruned(root: str | os.PathLike[str] | None = None) -> None:
             log.warning("pruning old weight versions in %s failed: %s", r, error)
 
 
-def load_state_dict(ann: WeightsAnnouncement) -> tuple[dict[str, torch.Tensor], int]:
-    """Read a published version, checking its digest. Returns the tensors and the bytes read.
+def load_state_dict(
+    ann: WeightsAnnouncement, *, root: str | os.PathLike[str] | None = None
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Read a published version, checking its digest. Returns the tensors and the bytes read. ``root``: the weights
+    directory the version must lie in (actors pass ``weights.dir``; see :func:`confined`).
 
     Each file is read once into one buffer (see _contents), and the very bytes that were hashed are the ones the
     tensors view (loading them into a model is then the one copy), so a version pruned or rewritten meanwhile is a
     WeightsError or the old, verified contents, never a half-verified load."""
-    directory = Path(ann.uri)
+    directory = _published_dir(ann, root)
     try:
         buffers = [_contents(f) for f in sorted(directory.glob("*.safetensors"))]
     except OSError as e:
@@ -306,38 +419,69 @@ def _tensors(m: Any, where: str) -> dict[str, torch.Tensor]:
         raise WeightsError(f"{where}: not a safetensors file ({type(e).__name__}: {e})") from None
 
 
-def tensor_shapes(directory: str | os.PathLike[str]) -> dict[str, list[int]]:
-    """Name → shape of every tensor in a directory's ``*.safetensors`` files, from their headers alone."""
-    shapes: dict[str, list[int]] = {}
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')} {list(self.shape)}"
+
+
+def specs_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    return {k: TensorSpec(t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+
+
+def tensor_specs(directory: str | os.PathLike[str], *, published: bool = True) -> dict[str, TensorSpec]:
+    """Name → dtype and shape of every tensor in a directory's ``*.safetensors`` files, from their headers alone.
+    ``published``: a version of the weights store (regular files only); False for a model directory of the
+    user's, whose files may be symlinks (a Hugging Face cache)."""
+    specs: dict[str, TensorSpec] = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
         try:
-            with path.open("rb") as f:
+            with open_regular(path, follow_symlinks=not published) as f:
                 prefix = f.read(8)
                 (n,) = struct.unpack("<Q", prefix)
                 if n > 100 * 2**20:
                     raise ValueError(f"a header of {n} bytes")
                 header, _ = _header(prefix + f.read(n))
-            shapes.update({k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+            for k, v in header.items():
+                if k != "__metadata__":
+                    specs[k] = TensorSpec(_DTYPES[v["dtype"]], tuple(int(d) for d in v["shape"]))
         except (OSError, struct.error, ValueError, KeyError, TypeError) as e:
             raise WeightsError(f"{path}: not a safetensors file ({type(e).__name__}: {e})") from None
-    return shapes
+    return specs
 
 
-def shape_mismatch(served: dict[str, list[int]], new: dict[str, list[int]]) -> str | None:
-    """Why tensors named and shaped ``new`` cannot replace ``served`` in place, or None when they can (pure)."""
-    wrong = [f"{k} {new[k]} (served {served[k]})" for k in sorted(served.keys() & new.keys()) if new[k] != served[k]]
-    missing, unknown = sorted(served.keys() - new.keys()), sorted(new.keys() - served.keys())
-    problems = [f"shapes {', '.join(wrong[:3])}" if wrong else "", f"missing {missing[:3]}" if missing else "",
-                f"unknown {unknown[:3]}" if unknown else ""]  # fmt: skip
+def mismatch(
+    served: Mapping[str, TensorSpec], new: Mapping[str, TensorSpec], optional: Collection[str] = ()
+) -> str | None:
+    """Why tensors ``new`` cannot replace ``served`` in place, or None when they can (pure). Every served name must
+    come, except those in ``optional`` (weights tied to another, left out of the files), and no other; shapes must
+    be equal; a floating-point tensor may come in another floating-point dtype (``weights.dtype`` publishes
+    bfloat16 to a float32 engine, and the copy casts), any other tensor in its own dtype only."""
+    both = sorted(served.keys() & new.keys())
+    shapes = [f"{k} {list(new[k].shape)} (served {list(served[k].shape)})" for k in both
+              if new[k].shape != served[k].shape]  # fmt: skip
+    dtypes = [f"{k} {new[k]} (served {served[k]})" for k in both if not _castable(new[k].dtype, served[k].dtype)]
+    missing = sorted(served.keys() - new.keys() - set(optional))
+    unknown = sorted(new.keys() - served.keys())
+    problems = [f"shapes {', '.join(shapes[:3])}" if shapes else "",
+                f"dtypes {', '.join(dtypes[:3])}" if dtypes else "",
+                f"missing {missing[:3]}" if missing else "", f"unknown {unknown[:3]}" if unknown else ""]  # fmt: skip
     return "; ".join(p for p in problems if p) or None
 
 
-def verify(ann: WeightsAnnouncement) -> int:
+def _castable(new: torch.dtype, served: torch.dtype) -> bool:
+    return new == served or (new.is_floating_point and served.is_floating_point)
+
+
+def verify(ann: WeightsAnnouncement, *, root: str | os.PathLike[str] | None = None) -> int:
     """Check a published version's files against its announced digest without loading them (for an engine that
     loads them itself, such as a SGLang server); returns their size in bytes. A missing, pruned or altered version
-    is a WeightsError."""
+    is a WeightsError; ``root`` as for :func:`load_state_dict`."""
     try:
-        checked, nbytes = digest(ann.uri, ann.digest_algorithm)
+        checked, nbytes = digest(_published_dir(ann, root), ann.digest_algorithm)
     except (OSError, ValueError) as e:
         raise WeightsError(f"weights v{ann.version}: {e}") from None
     _check_digest(ann, checked)
@@ -351,12 +495,14 @@ def _check_digest(ann: WeightsAnnouncement, checked: str) -> None:
         )
 
 
-def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy tensors into a model of the same architecture; only tied parameters may be absent from the file."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
+def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy tensors into a model of the same architecture, all or nothing: names, shapes and dtypes are checked
+    against the model's before any tensor is touched (``load_state_dict(strict=False)`` copies whatever fits before
+    it reports missing names, and raises on a wrong shape after overwriting part of the model). Only tied
+    parameters may be absent from the file."""
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     tied |= {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
-        raise WeightsError(
-            f"weights do not fit the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
-        )
+    if problem := mismatch(specs_of(model.state_dict()), specs_of(state), optional=tied):
+        raise WeightsMismatch(f"weights do not fit the model: {problem}")
+    with torch.no_grad():
+        model.load_state_dict(state, strict=False)

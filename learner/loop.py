@@ -100,7 +100,7 @@ class Learner:
         self.checkpointed_step = -1
         self._started = time.perf_counter()
         self.broadcaster: Broadcaster | None = None  # weights.transport nccl, rank 0
-        self._publish_lock = threading.Lock()  # the broadcast thread may write a version to disk too
+        self._publish_lock = threading.Lock()  # one writer: the broadcast thread may write a version to disk too
         self._announced = -1  # the newest version this learner announced
         self._last_announcement: WeightsAnnouncement | None = None  # announced again if Redis loses it
         self.run_id = ""  # the run's identity in Redis (see check_identity)
@@ -249,7 +249,11 @@ class Learner:
         both): the weights we start from become the next version after every one announced or still on disk (a
         Redis that lost its data no longer says), and a new epoch of the lineage begins there (learner.lineage)."""
         if self.main:
-            announced = self.transport.latest_weights()
+            try:
+                announced = self.transport.latest_weights()
+            except SchemaError as e:  # garbage in weights:latest: this learner's first announcement replaces it
+                log.warning("ignoring weights:latest: %s", e)
+                announced = None
             top = max(-1 if announced is None else announced.version, newest_on_disk(self.cfg.weights.dir))
             if top > self.version:
                 epoch = max(self.lineage.current.epoch, 0 if announced is None else announced.epoch) + 1
@@ -481,26 +485,26 @@ class Learner:
 
     def _write(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
         """Write ``version`` to ``weights.dir`` and announce it, unless a newer one was announced meanwhile (the
-        broadcast thread falls back late). The lock covers the check and the announcement, not the write: the
-        training loop never waits for the thread's write."""
+        broadcast thread falls back late). One writer: the training loop and the broadcast thread both come here,
+        and the lock covers the check, the write and the announcement, so their writes never overlap and the prune
+        keeps the version announced until the next one is (the training loop may wait for a fall-back's write)."""
         wc = self.cfg.weights
-        if version < self._announced:
-            return
-        with writing(wc.dir):
-            pub = publish(
-                self.model,
-                self.tokenizer,
-                wc.dir,
-                version,
-                wc.keep,
-                wc.dtype,
-                wc.digest,
-                prune_in_background=True,
-                state_dict=state,
-            )
         with self._publish_lock:
             if version < self._announced:
                 return
+            with writing(wc.dir):
+                pub = publish(
+                    self.model,
+                    self.tokenizer,
+                    wc.dir,
+                    version,
+                    wc.keep,
+                    wc.dtype,
+                    wc.digest,
+                    prune_in_background=True,
+                    state_dict=state,
+                    protect=[self._announced],
+                )
             self._announce(pub.announcement)
             self._announced = version
         self.metrics.publish_seconds.observe(pub.seconds)

@@ -53,7 +53,7 @@ def test_two_learner_steps_on_what_an_actor_sampled(smollm2_dir: Path, tmp_path:
     from common.schemas import WeightsAnnouncement
     from common.tasks import PromptEncoder, make_task
 
-    cfg = load_config(str(RECIPE), [f"model.path={smollm2_dir}"])
+    cfg = load_config(str(RECIPE), [f"model.path={smollm2_dir}", f"weights.dir={run_dir / 'weights'}"])
     engine = LocalEngine(cfg, seed=0)
     digest = (published.parent / "digest").read_text().strip()
     version = int(published.parent.name[1:])

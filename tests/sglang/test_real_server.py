@@ -109,7 +109,7 @@ def test_weights_loaded_right_after_generation_are_served(
     # has not yet freed the finished requests): from 1 in 2 to none in 20, depending on timing. Every one must be
     # served either way; the 400 path is the engine's whenever it comes (the stand-in's test forces it every time).
     for version in range(7, 37):
-        ann = publish(model, tokenizer, tmp_path / "weights", version, keep=2).announcement
+        ann = publish(model, tokenizer, Path(real_engine.cfg.weights.dir), version, keep=2).announcement
         real_engine.generate(batch, 8)
         real_engine.load(ann)  # no sleep: the update arrives while the scheduler is still winding down
         assert real_engine.version == version
@@ -134,12 +134,12 @@ def test_a_wrong_shaped_checkpoint_is_refused_and_changes_nothing(
     real_engine: SGLangEngine, demo_model_dir: Path, tmp_path: Path
 ) -> None:
     tokenizer, model = load_pretrained(str(demo_model_dir), "float32", "cpu")
-    good = publish(model, tokenizer, tmp_path / "weights", 20, keep=3).announcement
+    good = publish(model, tokenizer, Path(real_engine.cfg.weights.dir), 20, keep=3).announcement
     real_engine.load(good)
     batch = prompts(real_engine)
     before = real_engine.generate(batch, 1, greedy=True)
 
-    bad = wrong_shaped_copy(good, tmp_path / "weights" / "v000021", 21, extra=3)
+    bad = wrong_shaped_copy(good, Path(real_engine.cfg.weights.dir) / "v000021", 21, extra=3)
     # A real server's scheduler dies on it (an assertion in its weight loader, then SGLang kills itself): the engine
     # checks the shapes first and never sends it.
     with pytest.raises(WeightsError, match=r"do not fit the served model \(shapes model.norm.weight \[99\]") as refused:

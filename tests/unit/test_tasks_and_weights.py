@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import random
 import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -185,22 +190,263 @@ def test_weights_on_a_network_filesystem_are_read_not_mapped(
     assert digest(ann.uri)[0] == ann.digest
 
 
-def test_shape_mismatch_names_what_does_not_fit() -> None:
-    from common.weights import shape_mismatch
+def test_mismatch_names_what_does_not_fit() -> None:
+    from common.weights import TensorSpec, mismatch
 
-    served = {"a": [4, 2], "b": [3]}
-    assert shape_mismatch(served, {"a": [4, 2], "b": [3]}) is None
-    assert shape_mismatch(served, {"a": [4, 3], "b": [3]}) == "shapes a [4, 3] (served [4, 2])"
-    assert shape_mismatch(served, {"a": [4, 2], "c": [1]}) == "missing ['b']; unknown ['c']"
+    f32, bf16, i64 = torch.float32, torch.bfloat16, torch.int64
+    served = {"a": TensorSpec(f32, (4, 2)), "b": TensorSpec(f32, (3,)), "n": TensorSpec(i64, (1,))}
+    assert mismatch(served, served) is None
+    # weights.dtype: a float32 engine takes bfloat16 tensors (the copy casts)
+    assert mismatch(served, {**served, "a": TensorSpec(bf16, (4, 2))}) is None
+    assert mismatch(served, {**served, "a": TensorSpec(f32, (4, 3))}) == "shapes a [4, 3] (served [4, 2])"
+    assert mismatch(served, {**served, "a": TensorSpec(i64, (4, 2))}) == "dtypes a int64 [4, 2] (served float32 [4, 2])"
+    assert mismatch(served, {**served, "n": TensorSpec(f32, (1,))}) == "dtypes n float32 [1] (served int64 [1])"
+    partial = {"a": served["a"], "n": served["n"], "c": TensorSpec(f32, (1,))}
+    assert mismatch(served, partial) == "missing ['b']; unknown ['c']"
+    assert mismatch(served, {"a": served["a"], "n": served["n"]}, optional={"b"}) is None  # tied, left out
 
 
-def test_tensor_shapes_reads_headers_and_rejects_garbage(tmp_path: Path) -> None:
+def test_tensor_specs_reads_headers_and_rejects_garbage(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from common.weights import WeightsError, tensor_shapes
+    from common.weights import TensorSpec, WeightsError, tensor_specs
 
-    save_file({"w": torch.zeros(2, 5), "b": torch.zeros(5)}, str(tmp_path / "model.safetensors"))
-    assert tensor_shapes(tmp_path) == {"w": [2, 5], "b": [5]}
+    save_file({"w": torch.zeros(2, 5), "b": torch.zeros(5, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    assert tensor_specs(tmp_path) == {"w": TensorSpec(torch.float32, (2, 5)), "b": TensorSpec(torch.bfloat16, (5,))}
     (tmp_path / "z.safetensors").write_bytes(b"\xff" * 8 + b"{}")
     with pytest.raises(WeightsError, match="not a safetensors file"):
-        tensor_shapes(tmp_path)
+        tensor_specs(tmp_path)
+
+
+# -- loads that fit all or nothing, from inside weights.dir only ---------------------------------------------------
+
+
+def _engine(model_dir: Path, run_dir: Path):  # type: ignore[no-untyped-def]
+    from actor.engine import LocalEngine
+    from common.config import load_config
+
+    return LocalEngine(load_config(None, [f"model.path={model_dir}", f"run.dir={run_dir}"]), seed=0)
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _published(model_dir: Path, root: Path, version: int, change: float = 1.0) -> WeightsAnnouncement:
+    """A version of the model with every floating-point tensor moved by ``change``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(change)
+    return publish(model, None, root, version, keep=5).announcement
+
+
+@pytest.mark.parametrize("fault", ["shape", "missing", "unknown", "dtype"])
+def test_a_load_that_does_not_fit_changes_nothing(tiny_model_dir: Path, tmp_path: Path, fault: str) -> None:
+    """Every other tensor fits (and differs): none of them may be copied before the misfit is found."""
+    from safetensors.torch import load_file, save_file
+
+    from common.weights import WeightsMismatch
+
+    engine = _engine(tiny_model_dir, tmp_path)
+    before = _snapshot(engine.model)
+    good = _published(tiny_model_dir, tmp_path / "weights", 1)
+    file = Path(good.uri) / "model.safetensors"
+    state = load_file(str(file))
+    name = "model.norm.weight"
+    if fault == "shape":
+        state[name] = torch.ones(state[name].numel() + 3)
+    elif fault == "missing":
+        del state[name]
+    elif fault == "unknown":
+        state["model.extra.weight"] = torch.ones(2)
+    else:
+        state[name] = torch.ones_like(state[name], dtype=torch.int64)
+    save_file(state, str(file), metadata={"format": "pt"})
+    bad = WeightsAnnouncement(2, good.uri, digest(good.uri)[0])  # a digest that matches: only the tensors are wrong
+    with pytest.raises(WeightsMismatch, match="weights do not fit the model"):
+        engine.load(bad)
+    assert engine.version == 0
+    after = engine.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.load(_published(tiny_model_dir, tmp_path / "weights", 3))  # and the engine still loads a good one
+    assert engine.version == 3 and not torch.equal(engine.model.state_dict()[name], before[name])
+
+
+def test_loads_are_confined_to_the_weights_directory(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An announced uri outside weights.dir (absolute, through ../, through a symlink), or a file in a version that
+    is a symlink, is refused before anything is read, and the engine keeps its weights and version."""
+    from common.weights import UnsafeWeightsPath
+
+    engine = _engine(tiny_model_dir, tmp_path / "run")
+    root = Path(engine.cfg.weights.dir)
+    before = _snapshot(engine.model)
+    outside = _published(tiny_model_dir, tmp_path / "elsewhere", 7)  # a valid version with a valid digest
+    (root / "v000008").mkdir(parents=True)
+    (root / "v000008" / "model.safetensors").symlink_to(Path(outside.uri) / "model.safetensors")
+    (root / "v000009").symlink_to(outside.uri)
+    uris = {
+        "absolute": outside.uri,
+        "dotdot": str(root / ".." / ".." / "elsewhere" / "v000007"),
+        "relative": os.path.relpath(outside.uri),
+        "dir symlink": str(root / "v000009"),
+        "file symlink": str(root / "v000008"),
+        "the root itself": str(root),
+    }
+    for what, uri in uris.items():
+        with pytest.raises(UnsafeWeightsPath, match="refused"):
+            engine.load(WeightsAnnouncement(9, uri, outside.digest))
+            pytest.fail(f"{what}: loaded")
+        assert engine.version == 0, what
+    assert all(torch.equal(before[k], engine.model.state_dict()[k]) for k in before)
+    with pytest.raises(UnsafeWeightsPath):
+        verify(WeightsAnnouncement(9, outside.uri, outside.digest), root=root)
+    # A symlink that stays inside weights.dir is an ordinary name for a version there.
+    inside = _published(tiny_model_dir, root, 10)
+    (root / "latest").symlink_to(inside.uri)
+    engine.load(WeightsAnnouncement(10, str(root / "latest"), inside.digest))
+    assert engine.version == 10
+
+
+def test_a_fifo_among_the_weights_is_refused_without_blocking(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Opening a FIFO for reading waits for a writer, forever: it must be refused, not opened."""
+    from common.weights import UnsafeWeightsPath
+
+    root = tmp_path / "run" / "weights"
+    good = _published(tiny_model_dir, root, 1)
+    version = root / "v000002"
+    version.mkdir()
+    fifo = version / "model.safetensors"
+    os.mkfifo(fifo)
+    ann = WeightsAnnouncement(2, str(version), good.digest)
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            load_state_dict(ann, root=root)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # blocked in open(): a writer lets it go, so the test leaves nothing behind
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=10)
+        pytest.fail("the load blocked on a FIFO")
+    assert len(outcome) == 1 and isinstance(outcome[0], UnsafeWeightsPath), outcome
+    with pytest.raises(UnsafeWeightsPath):
+        verify(ann, root=root)
+
+
+# -- one writer; the pruner keeps what is announced --------------------------------------------------------------
+
+
+def test_concurrent_publishes_all_succeed_and_the_announced_version_is_kept(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The learner's training loop and its NCCL fall-back thread both publish: many at once, every one succeeds
+    (no prune deletes another's temporary copy), and each announced version exists when it is announced."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+    from transformers import AutoModelForCausalLM
+
+    from common.metrics import LearnerMetrics
+    from common.weights import wait_pruned
+    from learner.loop import Learner
+
+    root = tmp_path / "weights"
+    announced: list[int] = []
+
+    def announce(ann: WeightsAnnouncement) -> None:
+        assert Path(ann.uri).is_dir() and digest(ann.uri)[0] == ann.digest
+        announced.append(ann.version)
+
+    weights_cfg = SimpleNamespace(dir=str(root), keep=2, dtype="model", digest="xxh3-128")
+    learner = SimpleNamespace(
+        cfg=SimpleNamespace(weights=weights_cfg),
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        tokenizer=None,
+        _publish_lock=threading.Lock(),
+        _announced=-1,
+        _announce=announce,
+        metrics=LearnerMetrics(CollectorRegistry()),
+    )
+    versions = list(range(1, 41))
+    random.Random(0).shuffle(versions)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        errors = [f.exception() for f in [pool.submit(Learner._write, learner, v, None) for v in versions]]
+    assert errors == [None] * len(versions)
+    assert announced == sorted(announced) and announced[-1] == 40  # versions never went back
+    wait_pruned(root)
+    # Nothing half-written is left; the newest two stay, and the one announced before the last until the next.
+    kept = {p.name for p in root.iterdir()}
+    assert "v000040" in kept and kept <= {"v000039", "v000040", f"v{announced[-2]:06d}"}
+
+
+def test_the_pruner_keeps_the_version_being_published_whatever_its_number(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """After Redis lost a run's keys a learner may resume below versions a lost learner left on disk: the version
+    it publishes (and announces) must not be pruned as one of the oldest."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    root = tmp_path / "weights"
+    for v in (10, 11, 12):
+        publish(model, None, root, v, keep=2)
+    pub = publish(model, None, root, 5, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["v000005", "v000011", "v000012"]
+    state, _ = load_state_dict(pub.announcement)
+    assert state
+    publish(model, None, root, 6, keep=2, protect=[5])  # the announced one is kept until the next is announced
+    assert sorted(p.name for p in root.iterdir()) == ["v000005", "v000006", "v000011", "v000012"]
+
+
+def test_the_pruner_removes_only_its_own_or_old_temporary_copies(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from common.weights import prune
+
+    root = tmp_path / "weights"
+    publish(AutoModelForCausalLM.from_pretrained(tiny_model_dir), None, root, 1, keep=2)
+    busy, stale = root / ".tmp-v000002-p1other-0a1b2c3d", root / ".tmp-v000003-p1other-4e5f6a7b"
+    for d in (busy, stale):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    two_hours_ago = time.time() - 7200
+    for p in (stale / "model.safetensors", stale):
+        os.utime(p, (two_hours_ago, two_hours_ago))
+    prune(root, keep=2)
+    assert busy.exists() and not stale.exists()  # another publisher's copy in progress is left alone
+
+
+def test_a_version_is_on_disk_before_its_name_is(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every file and the directory are synced before the rename, and the weights directory after it: after a
+    power loss a renamed version is never a name over empty files."""
+    from transformers import AutoModelForCausalLM
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src, dst) -> None:  # type: ignore[no-untyped-def]
+        events.append(("rename", str(src)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    root = (tmp_path / "weights").resolve()
+    pub = publish(AutoModelForCausalLM.from_pretrained(tiny_model_dir), None, root, 1, keep=2)
+    renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
+    assert len(renames) == 1
+    tmp = events[renames[0]][1]
+    synced_before = {path for kind, path in events[: renames[0]] if kind == "fsync"}
+    files = {str(Path(tmp) / p.name) for p in Path(pub.announcement.uri).iterdir()}
+    assert files | {tmp} <= synced_before
+    assert ("fsync", str(root)) in events[renames[0] :]
