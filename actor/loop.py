@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -29,13 +30,36 @@ from common.grpo import overlong_penalty
 from common.metrics import ActorMetrics, MetricsServer, register_endpoint
 from common.model_import import prepare_model_path
 from common.models import max_positions
-from common.schemas import Completion, FilteredStats, GroupMessage, WeightsAnnouncement, encode_group
+from common.schemas import Completion, FilteredStats, GroupMessage, SchemaError, WeightsAnnouncement, encode_group
 from common.tasks import Problem, PromptEncoder, make_task
 from common.transport import Admission, Transport, round_fits
 from common.weights import WeightsError
 from grader.pool import GraderPool, open_grader
 
 log = logging.getLogger("actor")
+
+
+@dataclass
+class Backoff:
+    """A failed load of one announcement is tried again at the next round (a refusal may be passing), then after
+    ``first``, 2 × ``first`` … up to ``most`` seconds, not every round; another announcement (a newer version) is
+    tried at once. Pure: the caller passes the clock."""
+
+    first: float = 1.0
+    most: float = 60.0
+    key: Any = None
+    attempts: int = 0
+    until: float = 0.0
+
+    def waiting(self, key: Any, now: float) -> bool:
+        return key == self.key and now < self.until
+
+    def failed(self, key: Any, now: float) -> float:
+        """Record a failure of ``key`` at ``now``; returns the seconds until it may be tried again."""
+        self.attempts = self.attempts + 1 if key == self.key else 1
+        delay = 0.0 if self.attempts == 1 else min(self.most, self.first * 2 ** (self.attempts - 2))
+        self.key, self.until = key, now + delay
+        return delay
 
 
 class Actor:
@@ -70,6 +94,8 @@ class Actor:
         self.epoch_sampled: int | None = None  # and its lineage epoch, when its announcement was seen
         self._epochs: dict[int, int] = {}  # version -> epoch, from the announcements this actor read
         self._prompt_ids: dict[str, list[int]] = {}
+        self._malformed_seen: set[str] = set()  # reasons already said for malformed announcements
+        self._load_backoff = Backoff()  # an announcement that failed to load is not tried again every round
         self._warned_forward = False
         self._warned_long = False
         self._next_heartbeat = 0.0
@@ -125,7 +151,7 @@ class Actor:
         """Load the announced version if it differs from ours (between rounds, never mid-generation)."""
         while self._pubsub.get_message() is not None:  # announcements only wake us; the hash is the truth
             pass
-        ann = self.transport.latest_weights()
+        ann = self.announced()
         self._remember_epoch(ann)
         if ann is None or ann.version == self.engine.version:
             return
@@ -138,11 +164,18 @@ class Actor:
                     ann.version,
                 )
             return
+        key = (ann.version, ann.uri, ann.digest)
+        if self._load_backoff.waiting(key, time.monotonic()):
+            return
         t0 = time.perf_counter()
         try:
             nbytes = self.engine.load(ann)
-        except WeightsError as e:  # e.g. pruned between announce and load: the next round sees a newer one
-            log.warning("could not load weights v%d: %s", ann.version, e)
+        except WeightsError as e:  # the engine kept its weights and version (e.g. pruned meanwhile, or not ours)
+            self.metrics.weight_load_failures.labels(e.reason).inc()
+            delay = self._load_backoff.failed(key, time.monotonic())
+            log.warning("could not load weights v%d (attempt %d): %s; sampling on with v%d, trying it again %s "
+                        "unless a newer version is announced", ann.version, self._load_backoff.attempts, e,
+                        self.engine.version, f"in {delay:.0f}s" if delay else "next round")  # fmt: skip
             return
         seconds = time.perf_counter() - t0
         self.metrics.weight_load_seconds.labels("disk").observe(seconds)
@@ -158,12 +191,27 @@ class Actor:
             self._epochs.clear()
         self._epochs[ann.version] = ann.epoch
 
+    def announced(self) -> WeightsAnnouncement | None:
+        """The announced version; None when there is none, or when ``weights:latest`` is malformed (written by hand
+        or by a newer build): that is bad input, said once per distinct value and counted, and the actor samples on
+        with the weights it has until the learner's next announcement replaces it."""
+        try:
+            return self.transport.latest_weights()
+        except SchemaError as e:
+            if str(e) not in self._malformed_seen:
+                if len(self._malformed_seen) >= 64:  # a bounded memory of what was said
+                    self._malformed_seen.clear()
+                self._malformed_seen.add(str(e))
+                self.metrics.weights_malformed.inc()
+                log.warning("ignoring weights:latest: %s (the learner's next announcement replaces it)", e)
+            return None
+
     def wait_for_new_version(self) -> None:
         """The synchronous baseline (actor.synchronous): sample again only with weights newer than this round's
         (the wait counts as backpressure)."""
 
         def behind() -> bool:
-            ann = self.transport.latest_weights()
+            ann = self.announced()
             return ann is None or ann.version <= self.version_sampled
 
         # An announcement that arrived while this round was sampled (the previous version's) must not end the wait.

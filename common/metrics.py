@@ -133,6 +133,17 @@ class ActorMetrics(RedisMetrics):
             buckets=_FAST,
             registry=r,
         )
+        self.weight_load_failures = Counter(
+            "grpo_actor_weight_load_failures",
+            "announced versions not loaded, the engine's weights kept (reason: unreadable, mismatch, path)",
+            ["reason"],
+            registry=r,
+        )
+        self.weights_malformed = Counter(
+            "grpo_actor_weight_announcements_malformed",
+            "distinct malformed weights:latest hashes seen (ignored until the learner's next announcement)",
+            registry=r,
+        )
         self.policy_version = Gauge("grpo_actor_policy_version", "policy version the actor samples with", registry=r)
         self.backpressure_seconds = Counter(
             "grpo_actor_backpressure_wait_seconds", "time spent waiting for the learner to catch up", registry=r

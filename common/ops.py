@@ -18,7 +18,7 @@ from pathlib import Path
 
 from common.cli import role_parser
 from common.config import Config, load_config
-from common.schemas import SchemaError, as_text, decode_group
+from common.schemas import SchemaError, WeightsAnnouncement, as_text, decode_group
 from common.transport import Transport, read_balance
 
 
@@ -38,7 +38,7 @@ def status_main(argv: Sequence[str]) -> int:
     try:
         b = read_balance(t)
         lost = lost_state(cfg, t, b.trained)
-        ann = t.latest_weights()
+        ann, weights_problem = _announced(t)
         actors = t.live_actors()
         versions = {k: v.get("version") for k, v in sorted(actors.items())}
         report: dict[str, object] = {
@@ -55,6 +55,7 @@ def status_main(argv: Sequence[str]) -> int:
             "unexplained": b.unexplained,
             "lost": lost,  # what Redis no longer holds of the run (empty: the counts are the whole run's)
             "published_version": None if ann is None else ann.version,
+            "weights_malformed": weights_problem,
             "done": t.is_done(),
             "actors": versions,
         }
@@ -64,6 +65,9 @@ def status_main(argv: Sequence[str]) -> int:
         print(json.dumps(report))
     else:
         print(f"run {report['run']}  published version {report['published_version']}  done {report['done']}")
+        if weights_problem:
+            print(f"weights:latest is malformed, actors ignore it until the learner's next announcement: "
+                  f"{weights_problem}")  # fmt: skip
         print(report["equation"])
         for line in lost:
             print(f"NOT WHOLE: {line}")
@@ -112,6 +116,14 @@ def _newest_checkpoint(root: Path) -> tuple[Path, dict] | None:
         if isinstance(state, dict):
             return path, state
     return None
+
+
+def _announced(t: Transport) -> tuple[WeightsAnnouncement | None, str | None]:
+    """The announced weights, or why ``weights:latest`` cannot be read (reported, not a traceback)."""
+    try:
+        return t.latest_weights(), None
+    except SchemaError as e:
+        return None, str(e)
 
 
 def dead_main(argv: Sequence[str]) -> int:

@@ -201,6 +201,8 @@ class GroupMessage:
 
 # The digests a version may be announced with, and the length of each one's hex form.
 DIGEST_HEX_LENGTHS = {"xxh3-128": 32, "sha256": 64}
+# How an announced version is delivered: a directory of safetensors files, or over the NCCL update group.
+WEIGHTS_FORMATS = ("hf-safetensors", "nccl")
 
 
 @dataclass(frozen=True)
@@ -228,23 +230,41 @@ class WeightsAnnouncement:
 
     @classmethod
     def from_hash(cls, h: Mapping[Any, Any]) -> WeightsAnnouncement:
-        d = {as_text(k): as_text(v) for k, v in h.items()}
+        """The hash ``weights:latest`` → a validated announcement, or :class:`SchemaError` with a one-line reason
+        (anyone with write access to Redis, or a newer build, may have written it: it is input, not a promise)."""
+        try:
+            d = {as_text(k): as_text(v) for k, v in h.items()}
+        except UnicodeDecodeError:
+            raise SchemaError("weights announcement: a field that is not UTF-8 text") from None
         if "digest" not in d and "sha256" in d:  # announced by a build before the digest field (sha256 only)
             d["digest"] = f"sha256:{d['sha256']}"
+        if missing := sorted({"version", "uri", "digest", "format", "published_at"} - d.keys()):
+            raise SchemaError(f"weights announcement: missing {', '.join(missing)}")
         try:
             ann = cls(
                 int(d["version"]), d["uri"], d["digest"], d["format"], float(d["published_at"]), int(d.get("epoch", 0))
             )
-        except (KeyError, ValueError) as e:
-            raise SchemaError(f"weights announcement: missing or malformed field ({e})") from None
-        algorithm, _, hexdigest = ann.digest.partition(":")
-        if (
-            ann.version < 0
-            or len(hexdigest) != DIGEST_HEX_LENGTHS.get(algorithm)
-            or not all(c in "0123456789abcdef" for c in hexdigest)
-        ):
-            raise SchemaError(f"weights announcement: bad version {ann.version} or digest {ann.digest!r}")
+        except ValueError as e:
+            raise SchemaError(f"weights announcement: malformed field ({str(e)[:120]})") from None
+        ann._check()
         return ann
+
+    def _check(self) -> None:
+        if not 0 <= self.version <= 1 << 53:
+            raise SchemaError(f"weights announcement: version {self.version} outside [0, 2^53]")
+        algorithm, _, hexdigest = self.digest.partition(":")
+        if len(hexdigest) != DIGEST_HEX_LENGTHS.get(algorithm) or not all(c in "0123456789abcdef" for c in hexdigest):
+            raise SchemaError(
+                f"weights announcement: digest {self.digest[:80]!r} is not <algorithm>:<hex> with an algorithm of "
+                f"{sorted(DIGEST_HEX_LENGTHS)}"
+            )
+        if self.format not in WEIGHTS_FORMATS:
+            raise SchemaError(
+                f"weights announcement: format {self.format[:40]!r} unknown to this build (it reads "
+                f"{', '.join(WEIGHTS_FORMATS)}: upgrade the actors with the learner)"
+            )
+        if not 0 < len(self.uri) <= 4096 or "\x00" in self.uri:
+            raise SchemaError(f"weights announcement: uri of {len(self.uri)} characters")
 
 
 def as_text(v: bytes | str) -> str:

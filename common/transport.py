@@ -610,6 +610,8 @@ class Transport:
         self._do(pipe.execute)
 
     def latest_weights(self) -> WeightsAnnouncement | None:
+        """The announced version; None when none is; SchemaError (one line) when the hash is malformed: every
+        reader treats that as bad input, and the learner's next announcement replaces it."""
         h = self._do(lambda: self.client.hgetall(self.keys.weights_latest))
         return WeightsAnnouncement.from_hash(h) if h else None
 

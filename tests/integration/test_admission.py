@@ -48,10 +48,10 @@ def test_reservations_end_with_their_lease_and_the_stream_bound_still_holds(redi
     t = Transport(RedisConfig(url=redis_url), "adm")
     announce(t, 0)
     # An actor killed while sampling: its reservation ends with its lease (renewed by heartbeats while it lives).
-    assert t.reserve_round("killed", 12, 0, ADMISSION, 0.5)
+    assert t.reserve_round("killed", 12, 0, ADMISSION, 3)
     assert not t.reserve_round("b", 4, 0, ADMISSION, 30)
-    t.renew_reservation("killed", 0.5)
-    time.sleep(0.6)
+    t.renew_reservation("killed", 1)  # its last heartbeat
+    time.sleep(1.2)
     assert t.reserve_round("b", 4, 0, ADMISSION, 30)
     assert t.client.hkeys(t.keys.inflight) == [b"b"]
     # Renewing a reservation that ended creates none.

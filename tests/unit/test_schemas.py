@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import msgpack
 import numpy as np
@@ -242,6 +243,31 @@ def test_weights_announcement_hash_round_trip_and_validation() -> None:
     # What builds before the digest field announced: a bare sha256.
     legacy = {k: v for k, v in ann.to_hash().items() if k != "digest"} | {"sha256": "b" * 64}
     assert WeightsAnnouncement.from_hash(legacy).digest == "sha256:" + "b" * 64
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"digest": "blake3:" + "a" * 32}, "digest 'blake3:"),
+        ({"uri": None}, "missing uri"),
+        ({"version": "seven"}, "malformed field"),
+        ({"version": "9" * 30}, "outside"),
+        ({"format": "hf-safetensors-v9"}, "format 'hf-safetensors-v9' unknown to this build"),
+        ({"uri": ""}, "uri of 0 characters"),
+        ({"uri": b"/w/\xff"}, "not UTF-8"),
+        ({"published_at": "yesterday"}, "malformed field"),
+    ],
+)
+def test_a_malformed_weights_hash_is_one_schema_error(change: dict, reason: str) -> None:  # type: ignore[type-arg]
+    """One HSET by hand, or a newer build's announcement: a one-line SchemaError that every reader handles as bad
+    input (never an exception of another kind, never an announcement of a format this build cannot load)."""
+    h: dict[str, object] = dict(WeightsAnnouncement(3, "/w/v000003", "xxh3-128:" + "a" * 32).to_hash())
+    h.update(change)
+    h = {k: v for k, v in h.items() if v is not None}
+    with pytest.raises(SchemaError, match=re.escape(reason)) as caught:
+        WeightsAnnouncement.from_hash(h)
+    assert "\n" not in str(caught.value)
+    assert WeightsAnnouncement.from_hash({**h, **WeightsAnnouncement(3, "/w/v3", "xxh3-128:" + "a" * 32).to_hash()})
 
 
 _msgpack_values = st.recursive(
