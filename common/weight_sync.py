@@ -27,6 +27,8 @@ import contextlib
 import datetime
 import json
 import math
+import os
+import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
@@ -171,7 +173,10 @@ def open_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     # The store a ``tcp://`` rendezvous makes, built here so that rank 0 hosts it even under torchrun (whose
     # rendezvous hands every rank its agent's store instead); rank 0's waits until every rank has connected.
-    store = torch.distributed.TCPStore(address, port, world_size, rank == 0, timeout=timeout)
+    if rank == 0:
+        store = _hosted_store(address, port, world_size, timeout)
+    else:
+        store = torch.distributed.TCPStore(address, port, world_size, False, timeout=timeout)
     prefixed = c10d.PrefixStore(group_name, store)
     collective = datetime.timedelta(seconds=collective_timeout_s or timeout_s)
     pg, _ = c10d._new_process_group_helper(
@@ -179,6 +184,29 @@ def open_group(
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def _hosted_store(address: str, port: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """Rank 0's store, listening on ``address`` alone: TCPStore's own socket listens on every interface, so a
+    learner told 127.0.0.1 (or one network's address) would take connections from any network. The socket is
+    bound here and handed over; the store closes it when it is destroyed."""
+    family, kind, proto, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(max(128, world_size))
+    except BaseException:
+        sock.close()
+        raise
+    inode, fd = os.fstat(sock.fileno()).st_ino, sock.detach()
+    try:
+        return torch.distributed.TCPStore(address, port, world_size, True, timeout=timeout, master_listen_fd=fd)
+    except BaseException:
+        with contextlib.suppress(OSError):  # unless the store closed it already (and the number was reused)
+            if os.fstat(fd).st_ino == inode:
+                os.close(fd)
+        raise
 
 
 def abort_group(pg: Any) -> None:

@@ -147,3 +147,30 @@ def test_a_snapshot_holds_the_model_once_and_falls_back_to_disk_whole(tiny_model
     assert set(written) == set(snap.tensors())  # nothing taken for a tied weight and dropped
     for name, t in snap.tensors().items():
         assert torch.equal(written[name], t) and torch.equal(t, state[name].to(torch.bfloat16)), name
+
+
+def _listeners(port: int) -> list[str]:
+    """Local addresses listening on ``port`` (Linux's /proc/net/tcp and tcp6, state 0A), as hex."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hexport = local.partition(":")
+            if state == "0A" and int(hexport, 16) == port:
+                found.append(address)
+    return found
+
+
+def test_the_learners_rendezvous_listens_on_its_address_alone() -> None:
+    """weights.nccl_address 127.0.0.1: the update group's store takes connections from this machine only (torch's
+    own store listens on every interface)."""
+    from common.redis_server import free_port
+    from common.weight_sync import close_group, open_group
+
+    port = free_port()
+    pg = open_group(address="127.0.0.1", port=port, world_size=1, rank=0, group_name="bind-test", backend="gloo",
+                    timeout_s=10)  # fmt: skip
+    try:
+        assert _listeners(port) == ["0100007F"]  # 127.0.0.1, little-endian hex; not 0.0.0.0 nor ::
+    finally:
+        close_group(pg)
