@@ -1,7 +1,8 @@
 """The actor: ``reload weights → wait for room → take prompts → sample → grade → filter and send → heartbeat``.
 
 Each step is one short method; the loop ends when the learner marks the run done, on SIGTERM/SIGINT (after the
-current round: a round's groups are sent in one transaction, never half), or on an error that is not retried.
+current round: a round's groups are sent in one transaction, never half, waiting up to ``actor.stop_send_timeout_s``
+for room), or on an error that is not retried.
 """
 
 from __future__ import annotations
@@ -240,11 +241,15 @@ class Actor:
         except Exception as e:
             log.debug("releasing the round's reservation: %s", e)
 
-    def _wait(self, blocked: Callable[[], bool], *, until_clear: bool = False) -> None:
+    def _wait(self, blocked: Callable[[], bool], *, until_clear: bool = False, deadline: float | None = None) -> None:
         """Wait while ``blocked()``, counted as backpressure; a weights announcement ends the wait early so that the
-        caller re-checks its conditions, unless ``until_clear``. The run ending or a stop request always ends it."""
+        caller re-checks its conditions, unless ``until_clear``. The run ending or a stop request always ends it,
+        except with a ``deadline`` (a ``time.monotonic()`` value: a stopping actor waiting to send its last round),
+        which ends it instead."""
         t0 = time.perf_counter()
-        while not self.stop.is_set() and blocked():
+        while (deadline is not None or not self.stop.is_set()) and blocked():
+            if deadline is not None and time.monotonic() >= deadline:
+                break
             self.heartbeat()  # waiting is working: the key must not expire
             if self.receiver is not None and self.receiver.poll(self.heartbeat):
                 break  # new weights: the caller re-checks its conditions
@@ -325,13 +330,22 @@ class Actor:
             payloads.append(encode_group(self._message(problem, samples, r, decision is Decision.FORWARD)))
             self.pending_filtered = FilteredStats()
         # The bound is checked again with the writes, atomically: many actors together never overshoot it. A round
-        # that does not fit waits whole (never half a round), or is given up when the actor is asked to stop.
+        # that does not fit waits whole (never half a round), also when the actor is asked to stop: then for up to
+        # actor.stop_send_timeout_s, past which it is discarded, counted.
         bound = self.cfg.actor.max_stream_groups
+        deadline: float | None = None
         while self.transport.produce(payloads, dict(counters), bound=bound, holder=self.id) is None:
-            if self.stop.is_set() or self.transport.is_done():
-                log.info("dropping an unsent round of %d groups: stopping", len(payloads))
+            if self.transport.is_done():  # the learner reads no more
+                self._discard(payloads, counters, "run_done")
                 return
-            self._wait(lambda: not round_fits(self.transport.unread(), len(payloads), bound))
+            if self.stop.is_set() and deadline is None:
+                deadline = time.monotonic() + self.cfg.actor.stop_send_timeout_s
+                log.info("stopping: waiting up to %.0fs for room to send the round in hand (%d groups)",
+                         self.cfg.actor.stop_send_timeout_s, len(payloads))  # fmt: skip
+            if deadline is not None and time.monotonic() >= deadline:
+                self._discard(payloads, counters, "stopped")
+                return
+            self._wait(lambda: not round_fits(self.transport.unread(), len(payloads), bound), deadline=deadline)
         self.groups_sent += len(payloads)
         self.rounds += 1
         self.metrics.groups_produced.inc(len(payloads))
@@ -339,6 +353,12 @@ class Actor:
             self.metrics.groups_filtered.labels("zero_std").inc(counters["groups_filtered:zero_std"])
         if counters["zero_std_forwarded"]:
             self.metrics.groups_forwarded.inc(counters["zero_std_forwarded"])
+
+    def _discard(self, payloads: list[bytes], counters: Counter[str], reason: str) -> None:
+        """A round that will not be sent: counted as ``groups_discarded:<reason>`` (with the round's other counters),
+        so that the sampling it cost shows."""
+        log.warning("discarding a round of %d groups: %s", len(payloads), reason.replace("_", " "))
+        self.transport.produce([], {**counters, f"groups_discarded:{reason}": len(payloads)}, holder=self.id)
 
     def shaped(self, samples: list[Sample], rewards: list[float]) -> list[float]:
         """The rewards the learner will compute advantages from (common.grpo.overlong_penalty added), so that a group

@@ -283,6 +283,13 @@ class ActorConfig(_Section):
         description="backpressure: actors wait while the stream holds this many unread groups; 0 = 2 x batch_groups",
     )
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="the actors:<id> key expires this long after a beat")
+    stop_send_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="on SIGTERM, how long an actor waits for room in the stream to send the round in hand whole; "
+        "past it the round is discarded and counted as groups_discarded:stopped (keep it under the supervisor's "
+        "grace period)",
+    )
     torch_threads: int = Field(1, ge=1, description="torch CPU threads of each actor process")
 
 

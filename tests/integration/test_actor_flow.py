@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -82,3 +83,44 @@ def test_the_actor_samples_only_what_the_learner_can_train_before_it_is_stale(
     time.sleep(3)
     assert t.stream_length() == 8
     assert cursor(t) == 8  # and it sampled no more than it sent
+
+
+def _hold_a_round_in_a_full_stream(tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes, *extra: str):  # type: ignore[no-untyped-def]
+    """An actor whose sampled round finds the stream full: another writer filled it while the round was sampled."""
+    t = Transport(RedisConfig(url=redis_url), "it")
+    args = sim_actor(tiny_model_dir, tmp_path, redis_url, "actor.max_stream_groups=4", "actor.sim_tokens_per_s=40",
+                     *extra)  # fmt: skip
+    proc = processes.grpo(*args, log=tmp_path / "actor.log")
+    assert wait_until(lambda: cursor(t) >= 4, 120), (tmp_path / "actor.log").read_text()
+    t.produce([b"foreign"] * 4)
+    time.sleep(5)  # the round (about 2 s of sampling) is done and waits for room
+    assert actor_groups(t) == [] and proc.poll() is None
+    return t, proc
+
+
+def test_a_stopped_actor_waits_for_room_and_sends_its_round_whole(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    t, proc = _hold_a_round_in_a_full_stream(tiny_model_dir, redis_url, tmp_path, processes)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(3)
+    assert proc.poll() is None, "the actor gave up its round"
+    t.client.delete(t.keys.groups)  # the learner makes room
+    assert proc.wait(timeout=30) == 0
+    assert len(actor_groups(t)) == 4
+    assert t.stats()["groups_produced"] == 4 + 4
+
+
+def test_a_stopped_actor_that_never_gets_room_counts_the_round_it_discards(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    t, proc = _hold_a_round_in_a_full_stream(
+        tiny_model_dir, redis_url, tmp_path, processes, "actor.stop_send_timeout_s=2"
+    )
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - t0 >= 2
+    assert actor_groups(t) == []
+    assert t.stats()["groups_discarded:stopped"] == 4
+    assert "discarding a round of 4 groups: stopped" in (tmp_path / "actor.log").read_text()
