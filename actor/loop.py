@@ -85,7 +85,6 @@ class Actor:
         self.task = make_task(cfg.task, cfg.run.seed)
         self.encode = PromptEncoder(engine.tokenizer, cfg.task)
         self.filter = ZeroStdFilter(cfg.actor.filter_zero_std, cfg.actor.max_consecutive_filtered)
-        self.pending_filtered = FilteredStats()
         self.stop = threading.Event()
         lc = cfg.learner
         self.admission = Admission(cfg.actor.max_stream_groups, lc.batch_groups, lc.max_staleness, lc.publish_every - 1)
@@ -315,35 +314,36 @@ class Actor:
         return [result.scores[i : i + n] for i in range(0, len(result.scores), n)]
 
     def send(self, problems: list[Problem], groups: list[list[Sample]], rewards: list[list[float]]) -> None:
-        """Filter zero-std groups (DAPO) and XADD the rest in one transaction with this round's counters."""
+        """Filter zero-std groups (DAPO) and XADD the rest in one transaction with this round's counters and the
+        summary of what was filtered (for the learner's reward figures; counted in Redis, not carried by a group)."""
         payloads: list[bytes] = []
         counters: Counter[str] = Counter()
+        filtered = FilteredStats()
         for problem, samples, r in zip(problems, groups, rewards, strict=True):
             decision = self.filter.decide(self.shaped(samples, r))
             if decision is Decision.FILTER:
-                self.pending_filtered += filtered_stats(r)
+                filtered += filtered_stats(r)
                 counters["groups_filtered:zero_std"] += 1
                 continue
             if decision is Decision.FORWARD:
                 counters["zero_std_forwarded"] += 1
                 self._warn_forward_once()
             payloads.append(encode_group(self._message(problem, samples, r, decision is Decision.FORWARD)))
-            self.pending_filtered = FilteredStats()
         # The bound is checked again with the writes, atomically: many actors together never overshoot it. A round
         # that does not fit waits whole (never half a round), also when the actor is asked to stop: then for up to
         # actor.stop_send_timeout_s, past which it is discarded, counted.
         bound = self.cfg.actor.max_stream_groups
         deadline: float | None = None
-        while self.transport.produce(payloads, dict(counters), bound=bound, holder=self.id) is None:
+        while self.transport.produce(payloads, dict(counters), bound=bound, holder=self.id, filtered=filtered) is None:
             if self.transport.is_done():  # the learner reads no more
-                self._discard(payloads, counters, "run_done")
+                self._discard(payloads, counters, filtered, "run_done")
                 return
             if self.stop.is_set() and deadline is None:
                 deadline = time.monotonic() + self.cfg.actor.stop_send_timeout_s
                 log.info("stopping: waiting up to %.0fs for room to send the round in hand (%d groups)",
                          self.cfg.actor.stop_send_timeout_s, len(payloads))  # fmt: skip
             if deadline is not None and time.monotonic() >= deadline:
-                self._discard(payloads, counters, "stopped")
+                self._discard(payloads, counters, filtered, "stopped")
                 return
             self._wait(lambda: not round_fits(self.transport.unread(), len(payloads), bound), deadline=deadline)
         self.groups_sent += len(payloads)
@@ -354,11 +354,12 @@ class Actor:
         if counters["zero_std_forwarded"]:
             self.metrics.groups_forwarded.inc(counters["zero_std_forwarded"])
 
-    def _discard(self, payloads: list[bytes], counters: Counter[str], reason: str) -> None:
-        """A round that will not be sent: counted as ``groups_discarded:<reason>`` (with the round's other counters),
-        so that the sampling it cost shows."""
+    def _discard(self, payloads: list[bytes], counters: Counter[str], filtered: FilteredStats, reason: str) -> None:
+        """A round that will not be sent: counted as ``groups_discarded:<reason>`` (with the round's other counters
+        and what it filtered), so that the sampling it cost shows."""
         log.warning("discarding a round of %d groups: %s", len(payloads), reason.replace("_", " "))
-        self.transport.produce([], {**counters, f"groups_discarded:{reason}": len(payloads)}, holder=self.id)
+        counters = Counter({**counters, f"groups_discarded:{reason}": len(payloads)})
+        self.transport.produce([], dict(counters), holder=self.id, filtered=filtered)
 
     def shaped(self, samples: list[Sample], rewards: list[float]) -> list[float]:
         """The rewards the learner will compute advantages from (common.grpo.overlong_penalty added), so that a group
@@ -387,7 +388,6 @@ class Actor:
                 for s, reward in zip(samples, rewards, strict=True)
             ),
             zero_std=forwarded,
-            filtered=self.pending_filtered,
             epoch=self.epoch_sampled,
         )
 

@@ -15,8 +15,10 @@ Messages
       corrupt (−1e30 made every update of a step non-finite);
     - rewards are finite and in [0, 1]; ``policy_version`` ≥ 0; ``finish_reason`` is stop | length | abort;
     - ``zero_std`` is true only when the actor forwarded an all-equal group because its resampling budget ran out;
-    - ``filtered`` summarises the groups this actor filtered out since its previous message, so the learner can report
-      the reward of everything sampled (TRL's ``reward`` is measured before any filtering);
+    - ``filtered`` summarises groups an actor filtered out, so the learner can report the reward of everything sampled
+      (TRL's ``reward`` is measured before any filtering). Actors of this build send it empty and count what they
+      filter in Redis, in the script that writes the round (the ``filtered`` hash, common.transport), where a dropped
+      group cannot take it along; the learner still adds what an older actor's message carries;
     - ``epoch`` (optional, an int ≥ 0): the learner lineage of the weights it was sampled with, from their
       announcement; messages without it (earlier builds) are read by their version alone.
 
@@ -104,6 +106,37 @@ class FilteredStats:
             self.reward_sum + other.reward_sum,
             self.reward_std_sum + other.reward_std_sum,
         )
+
+    def fields(self) -> dict[str, float]:
+        """The summary as the fields of the ``filtered`` hash that counts it in Redis."""
+        return {k: float(getattr(self, k)) for k in _FILTERED_FIELDS}
+
+    @classmethod
+    def from_fields(cls, h: dict[str, float]) -> FilteredStats:
+        return cls(
+            int(h.get("groups", 0)),
+            int(h.get("zero_std_groups", 0)),
+            int(h.get("completions", 0)),
+            float(h.get("reward_sum", 0.0)),
+            float(h.get("reward_std_sum", 0.0)),
+        )
+
+    def since(self, earlier: FilteredStats) -> FilteredStats:
+        """What was added to these running totals after ``earlier`` (two reads of the hash), kept within what valid
+        summaries allow despite float rounding; nothing when the totals went back (Redis lost its data)."""
+        groups, completions = self.groups - earlier.groups, self.completions - earlier.completions
+        if groups < 0 or completions < 0:
+            return FilteredStats()
+        return FilteredStats(
+            groups,
+            min(max(0, self.zero_std_groups - earlier.zero_std_groups), groups),
+            completions,
+            min(max(0.0, self.reward_sum - earlier.reward_sum), float(completions)),
+            min(max(0.0, self.reward_std_sum - earlier.reward_std_sum), float(groups)),
+        )
+
+
+_FILTERED_FIELDS = ("groups", "zero_std_groups", "completions", "reward_sum", "reward_std_sum")
 
 
 class Completions(Sequence[Completion]):

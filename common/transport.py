@@ -13,6 +13,8 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 ``done``               string      set by the learner after its last step; actors exit when they see it
 ``trained_ids``        sorted set  group ids trained on, by step (a bounded window), to train a duplicate once
 ``inflight``           hash        rounds actors are sampling: actor id -> ``<groups> <lease end, ms of Redis's clock>``
+``filtered``           hash        running sums over the groups actors filtered out (``groups``, ``zero_std_groups``,
+                                   ``completions``, ``reward_sum``, ``reward_std_sum``): the learner's reward figures
 ``identity``           hash        the run's identity (``id``, ``created_at``), also in every checkpoint; and what a
                                    Redis that lost its data lost (``resets``, ``reset_at``, ``reset_step``,
                                    ``trained_before_reset``: groups trained before the loss, not in ``stats``)
@@ -51,7 +53,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from common.config import RedisConfig
-from common.schemas import WeightsAnnouncement, as_text
+from common.schemas import FilteredStats, WeightsAnnouncement, as_text
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,8 @@ _PRODUCE = (
     _UNREAD_LUA
     + """
 local ncount = tonumber(ARGV[4])
-local first = 5 + 2 * ncount
+local nsums = tonumber(ARGV[5])
+local first = 6 + 2 * ncount + 2 * nsums
 local npay = #ARGV - first + 1
 local bound = tonumber(ARGV[2])
 if npay > 0 and bound >= 0 then
@@ -108,7 +111,10 @@ end
 local ids = {}
 for i = first, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'data', ARGV[i]) end
 if npay > 0 then redis.call('HINCRBY', KEYS[2], 'groups_produced', npay) end
-for i = 0, ncount - 1 do redis.call('HINCRBY', KEYS[2], ARGV[5 + 2 * i], ARGV[6 + 2 * i]) end
+for i = 0, ncount - 1 do redis.call('HINCRBY', KEYS[2], ARGV[6 + 2 * i], ARGV[7 + 2 * i]) end
+for i = 0, nsums - 1 do
+  redis.call('HINCRBYFLOAT', KEYS[4], ARGV[6 + 2 * ncount + 2 * i], ARGV[7 + 2 * ncount + 2 * i])
+end
 if ARGV[3] ~= '' then redis.call('HDEL', KEYS[3], ARGV[3]) end  -- the round is in: its reservation ends
 return ids
 """
@@ -260,6 +266,7 @@ class Keys:
         self.done = self.prefix + "done"
         self.trained_ids = self.prefix + "trained_ids"
         self.inflight = self.prefix + "inflight"
+        self.filtered = self.prefix + "filtered"
         self.identity = self.prefix + "identity"
         self.nccl_members = self.prefix + "nccl:members"
         self.nccl_round = self.prefix + "nccl:round"
@@ -415,6 +422,7 @@ class Transport:
         *,
         bound: int | None = None,
         holder: str = "",
+        filtered: FilteredStats | None = None,
     ) -> list[str] | None:
         """XADD groups and count them as produced, atomically: all of them or none.
 
@@ -422,14 +430,17 @@ class Transport:
         groups that were sampled and not sent (they never enter the stream). With ``bound``, nothing is written and
         None is returned when the stream's unread groups plus these would exceed it (a round always fits an empty
         stream): the check and the writes are one script, so many actors together never overshoot the bound.
-        Written, the round ends ``holder``'s reservation (:meth:`reserve_round`)."""
+        Written, the round ends ``holder``'s reservation (:meth:`reserve_round`). ``filtered`` summarises the
+        round's groups that were sampled and filtered out: added to the ``filtered`` hash in the same script, so the
+        learner's reward figures count them whatever becomes of the groups sent."""
         counters = {k: n for k, n in (counters or {}).items() if n}
-        if not payloads and not counters:
+        sums = filtered.fields() if filtered is not None and filtered.groups else {}
+        if not payloads and not counters and not sums:
             return []
-        args: list[Any] = [CONSUMER_GROUP, -1 if bound is None else bound, holder, len(counters)]
-        for name, n in counters.items():
-            args += [name, n]
-        keys = [self.keys.groups, self.keys.stats, self.keys.inflight]
+        args: list[Any] = [CONSUMER_GROUP, -1 if bound is None else bound, holder, len(counters), len(sums)]
+        for name, n in [*counters.items(), *sums.items()]:
+            args += [name, repr(n) if isinstance(n, float) else n]
+        keys = [self.keys.groups, self.keys.stats, self.keys.inflight, self.keys.filtered]
         reply = self._do(lambda: self._produce_script(keys=keys, args=[*args, *payloads]))
         return None if reply is None else [as_text(i) for i in reply]
 
@@ -455,6 +466,11 @@ class Transport:
     def release_round(self, holder: str) -> None:
         """Give up ``holder``'s reservation (a round it will not send)."""
         self._do(lambda: self.client.hdel(self.keys.inflight, holder))
+
+    def filtered_totals(self) -> FilteredStats:
+        """The running sums over every group actors filtered out (see :meth:`produce`)."""
+        h = self._do(lambda: self.client.hgetall(self.keys.filtered))
+        return FilteredStats.from_fields({as_text(k): float(v) for k, v in h.items()})
 
     def stream_length(self) -> int:
         return int(self._do(lambda: self.client.xlen(self.keys.groups)))

@@ -32,7 +32,7 @@ from common.generation import generate, pad_token_id, stop_token_ids
 from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
 from common.model_import import prepare_model_path
 from common.models import load_pretrained
-from common.schemas import GroupMessage, SchemaError, WeightsAnnouncement, decode_group, encode_group
+from common.schemas import FilteredStats, GroupMessage, SchemaError, WeightsAnnouncement, decode_group, encode_group
 from common.storage import StorageError, fsync_dir, fsync_file, writing
 from common.tasks import PromptEncoder, eval_problems
 from common.transport import StreamEntry, Transport, read_balance
@@ -92,6 +92,7 @@ class Learner:
         self.groups_consumed = 0
         self.dropped: Counter[str] = Counter()
         self.dead = 0
+        self._filtered_seen: FilteredStats | None = None  # the filtered hash's totals at the previous batch
         self.stop = threading.Event()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
         # Trained since the last checkpoint, not yet acknowledged: the checkpoint that covers them acks them.
@@ -404,7 +405,21 @@ class Learner:
             if time.perf_counter() > next_notice:
                 next_notice += 30
                 log.info("waiting for groups: %d of %d after %.0fs", len(groups), want, time.perf_counter() - t0)
-        return Collected(ids, groups, time.perf_counter() - t0)
+        return Collected(ids, self._with_filtered(groups), time.perf_counter() - t0)
+
+    def _with_filtered(self, groups: list[GroupMessage]) -> list[GroupMessage]:
+        """What actors filtered out since the previous batch (counted in Redis as each round was written, so no
+        dropped group takes it along) joins the batch's first group, where the reward figures read it (and where it
+        travels to the other ranks). A fresh run counts from its start, a resumed learner from its first batch."""
+        totals = self.transport.filtered_totals()
+        seen = self._filtered_seen
+        if seen is None:
+            seen = FilteredStats() if self.step == 0 else totals
+        self._filtered_seen = totals
+        new = totals.since(seen)
+        if not new.groups:
+            return groups
+        return [replace(groups[0], filtered=groups[0].filtered + new), *groups[1:]]
 
     def decode(self, entry: StreamEntry) -> GroupMessage | None:
         """The group, or None after dead-lettering a message that is malformed or does not fit this model."""
