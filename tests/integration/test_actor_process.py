@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,7 @@ def test_actor_sends_valid_groups_waits_reloads_and_stops(
     groups = [decode_group(fields[b"data"]) for _, fields in entries]
     for g in groups:
         assert g.actor_id == "actor-it" and g.policy_version == 0 and len(g.completions) == 8
+        assert g.epoch is None  # model.path, never announced: no epoch to stamp
         rewards = g.rewards
         assert max(rewards) != min(rewards) or g.zero_std  # zero-std groups are filtered out (or flagged)
     stats = t.stats()
@@ -72,7 +74,8 @@ def test_actor_sends_valid_groups_waits_reloads_and_stops(
     tok = AutoTokenizer.from_pretrained(demo_model_dir)
     with torch.no_grad():
         model.model.norm.weight.mul_(3.0)  # a different policy, visibly
-    t.announce_weights(publish(model, tok, tmp_path / "weights", 5, keep=2).announcement)
+    # Of the learner's epoch 2 (one that resumed after a crash): the actor stamps it on the groups it samples.
+    t.announce_weights(replace(publish(model, tok, tmp_path / "weights", 5, keep=2).announcement, epoch=2))
     t.client.delete(t.keys.groups)
 
     def sent() -> list:  # type: ignore[type-arg]
@@ -83,6 +86,7 @@ def test_actor_sends_valid_groups_waits_reloads_and_stops(
     versions = [g.policy_version for g in sent()]
     assert set(versions) <= {0, 5} and versions == sorted(versions)
     fresh = [g for g in sent() if g.policy_version == 5]
+    assert all(g.epoch == 2 for g in fresh)
     # The behaviour log-probs are those of the new weights: the actor really loaded them.
     g = fresh[0]
     for c in g.completions:
