@@ -87,3 +87,33 @@ def test_a_killed_learners_lost_steps_are_trained_again_and_its_dead_branch_drop
     ann = t.latest_weights()
     assert (ann.version, ann.epoch) == (8, 1)
     t.close()
+
+
+def test_a_learner_whose_checkpoints_are_another_runs_than_redis_holds_exits_2(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    """Two runs under one run.name (one Redis, two run directories): a user's mistake, one line and exit 2; the run
+    Redis holds is left as it was."""
+    from transformers import AutoTokenizer
+
+    from tests.integration.test_learner_process import run_learner
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    t = Transport(RedisConfig(url=redis_url), "two")
+    t.produce([group(tok, 0) for _ in range(2)])
+    run_learner(processes, redis_url, tiny_model_dir, tmp_path, "two", 1)
+    mine = t.identity()["id"]
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-000001" / "state.json").read_text())
+    assert state["run_id"] == mine and state["epochs"] == [[0, 0, 0]]
+
+    t.client.hset(t.keys.identity, "id", "another-run")
+    settings = [f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}",
+                "run.name=two", "run.steps=2", "learner.batch_groups=2", "actor.group_size=4",
+                "task.eval_size=2"]  # fmt: skip
+    proc = processes.grpo("learner", *[a for o in settings for a in ("-o", o)], log=tmp_path / "second.log")
+    assert proc.wait(timeout=180) == 2
+    log = (tmp_path / "second.log").read_text()
+    assert "Traceback" not in log and "Redis holds run another-run under run.name two" in log, log
+    assert f"are run {mine}'s: give each run its own run.name" in log
+    assert t.identity()["id"] == "another-run" and "reset_at" not in t.identity()
+    t.close()
