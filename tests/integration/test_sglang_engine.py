@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from actor.sglang_engine import EngineError, generate_request, parse_samples
 from common.config import RedisConfig
 from common.procs import wait_until
-from common.schemas import decode_group
+from common.schemas import WeightsAnnouncement, decode_group
 from common.transport import Transport
 from common.weights import publish
 from tests.conftest import pid_alive, wrong_shaped_copy
@@ -204,6 +205,20 @@ def test_a_version_that_does_not_fit_the_served_model_is_never_sent(demo_model_d
         bad = wrong_shaped_copy(good, tmp_path / "weights" / "v000003", 3, extra=7)
         with pytest.raises(WeightsError, match=r"shapes model.norm.weight \[103\] \(served \[96\]\)"):
             engine.load(bad)
+        assert not [p for p, _ in standin.requests if p == "/update_weights_from_disk"] and engine.version == 0
+        # Names and dtypes are checked the same way (a float tensor where the model has integers, say).
+        from safetensors.torch import load_file, save_file
+
+        from common.weights import digest
+
+        odd = tmp_path / "weights" / "v000004"
+        shutil.copytree(good.uri, odd)
+        state = load_file(str(odd / "model.safetensors"))
+        state["model.norm.weight"] = state["model.norm.weight"].to(torch.int32)
+        state["model.extra"] = torch.zeros(1)
+        save_file(state, str(odd / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(WeightsError, match=r"dtypes model.norm.weight int32 \[96\].*unknown \['model.extra'\]"):
+            engine.load(WeightsAnnouncement(4, str(odd), digest(odd)[0]))
         assert not [p for p, _ in standin.requests if p == "/update_weights_from_disk"] and engine.version == 0
         assert engine.client.healthy()
     finally:
