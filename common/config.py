@@ -419,7 +419,8 @@ class WeightsConfig(_Section):
     )
     nccl_address: str = Field(
         "",
-        description="weights.transport nccl: the learner's address as its actors' SGLang servers reach it; empty = "
+        description="weights.transport nccl: the learner's address as its actors' SGLang servers reach it (its "
+        "rendezvous listens there alone); empty = "
         "the IP address of the learner's hostname (a container's address on its network; set it where the hostname "
         "resolves to a loopback address)",
     )
