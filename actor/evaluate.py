@@ -11,7 +11,8 @@ and chat template (``task.*``). Figures (see common/evaluation.py): ``pass_at_1`
 ``pass_at_n`` over ``n`` answers sampled at ``sampling.temperature``.
 
 The engine is ``actor.engine`` (``local`` by default; ``sglang`` serves the model from a SGLang server), the grader
-``grader.*``. The report (JSON, on stdout and in ``--out``) also lists each problem's scores.
+``grader.*`` (with ``combine``, its components other than ``format``: an answer is right or wrong, see
+common/evaluation.py). The report (JSON, on stdout and in ``--out``) also lists each problem's scores.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def evaluate(cfg: Any, n: int) -> dict[str, Any]:
     import torch
 
     from actor.engine import make_engine
-    from common.evaluation import score_problems, summarise
+    from common.evaluation import correctness, score_problems, summarise
     from common.model_import import prepare_model_path
     from common.tasks import PromptEncoder, eval_problems
     from grader.pool import open_grader
@@ -88,7 +89,7 @@ def evaluate(cfg: Any, n: int) -> dict[str, Any]:
     problems = eval_problems(cfg.task, cfg.run.seed)
     t0 = time.perf_counter()
     engine = make_engine(cfg, seed=cfg.run.seed)
-    grader = open_grader(cfg.grader)
+    grader = open_grader(correctness(cfg.grader))  # right or wrong, not the training reward (see common.evaluation)
     try:
         encode = PromptEncoder(engine.tokenizer, cfg.task)
         scores = score_problems(

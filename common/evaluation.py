@@ -5,8 +5,11 @@ For each problem: one greedy answer and, when ``n`` > 0, ``n`` sampled at ``samp
 ``task.eval_batch`` prompts at a time and graded like the actors grade.
 
 - ``pass_at_1``: the fraction of problems whose greedy answer is right (the learner's ``eval/accuracy``);
-- ``mean_at_n``: the mean reward over all sampled answers (the usual unbiased estimate of sampled pass@1);
+- ``mean_at_n``: the mean score over all sampled answers (the usual unbiased estimate of sampled pass@1);
 - ``pass_at_n``: the fraction of problems with at least one right answer among the ``n``.
+
+"Right" is the grader's notion of correct (see :func:`correctness`), not a perfect training reward: a reward that
+adds a format bonus to correctness would otherwise count a right answer without its tags as wrong.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from common.config import GraderConfig
 from common.generation import Sample
 from common.tasks import Problem
 
@@ -32,6 +36,18 @@ class SampleGrader(Protocol):
     def grade_samples(self, tokenizer: Any, samples: list[Any], references: list[str], *, require_stop: bool) -> Grades:
         """One score per sample, and the grader errors counted by kind."""
         ...
+
+
+def correctness(grader: GraderConfig) -> GraderConfig:
+    """The grader evaluation scores with: whether an answer is right. For ``combine`` that is not its weighted mean
+    (with ``gsm8k`` 0.9 and ``format`` 0.1 a right answer without the layout gets 0.9, and only a perfect 1 used to
+    count): ``format`` components judge the layout, not the answer, so they are left out and an answer is right when
+    every other component gives it 1 (a combine of ``format`` components alone keeps them all). Any other grader is
+    its own notion of correct."""
+    if grader.name != "combine":
+        return grader
+    checks = [c for c in grader.components if c.name != "format"]
+    return grader.model_copy(update={"components": checks}) if checks else grader
 
 
 @dataclass

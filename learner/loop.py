@@ -27,7 +27,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from common.config import Config, ConfigError, write_resolved
-from common.evaluation import score_problems, summarise
+from common.evaluation import correctness, score_problems, summarise
 from common.generation import generate, pad_token_id, stop_token_ids
 from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
 from common.model_import import prepare_model_path
@@ -733,7 +733,7 @@ def _follow(cfg: Config, ranks: Ranks) -> int:
     """A rank other than 0: no Redis, no files, no metrics server; it trains, evaluates and gathers with rank 0."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop and tells the others
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with open_grader(cfg.grader) as grader:
+    with open_grader(correctness(cfg.grader)) as grader:  # the learner grades only its evaluation
         tokenizer, model, reference = _models(cfg, ranks)
         metrics = LearnerMetrics(CollectorRegistry())
         return Learner(cfg, None, model, tokenizer, grader, metrics, reference, ranks).run()
@@ -764,7 +764,7 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
     def health() -> tuple[bool, dict]:
         return True, {"role": "learner", "step": learner.step if learner else 0}
 
-    grader = open_grader(cfg.grader)
+    grader = open_grader(correctness(cfg.grader))  # the learner grades only its evaluation: right or wrong
     server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
     register_endpoint(cfg.run.dir, "learner", "learner", server.url)
     try:

@@ -109,3 +109,14 @@ def test_a_wrong_dataset_is_one_line_and_exit_2(demo_model_dir: Path, tmp_path: 
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and re.search(message, done.stderr), done.stderr
     assert not (tmp_path / "run").exists()  # checked before anything was created
+
+
+def test_eval_with_combine_counts_right_answers_not_perfect_rewards(demo_model_dir: Path, tmp_path: Path) -> None:
+    """The demo model answers "8 " (a space before end-of-sequence): `exact` calls that right. A combine of `exact`
+    and a format bonus the model never earns gives it 0.9: still right, with the same pass@1 as `exact` alone."""
+    components = "grader.components=[{name: exact, weight: 0.9}, {name: format, pattern: '<answer>.*', weight: 0.1}]"
+    alone = grpo_eval(demo_model_dir, tmp_path / "exact.json", "-o", "grader.name=exact")
+    combined = grpo_eval(demo_model_dir, tmp_path / "combine.json", "-o", "grader.name=combine", "-o", components)
+    assert alone["pass_at_1"] > 0
+    assert (combined["pass_at_1"], combined["pass_at_n"]) == (alone["pass_at_1"], alone["pass_at_n"])
+    assert [p["greedy"] for p in combined["per_problem"]] == [p["greedy"] for p in alone["per_problem"]]
