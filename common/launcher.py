@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from common.cli import role_parser
+from common.cli import EXIT_USAGE, role_parser
 from common.config import Config, ConfigError, load_config, write_resolved
 from common.log import setup_logging
 from common.metrics import gather_endpoints
@@ -42,7 +42,10 @@ _ACTOR_EXIT_GRACE_S = 15.0
 
 
 class ChildFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, code: int | None = None, line: str = ""):
+        super().__init__(message)
+        self.code = code  # the child's exit code, when it exited: 2 is a mistake its log names in one line
+        self.line = line  # that line
 
 
 class Interrupted(Exception):
@@ -183,9 +186,13 @@ class Run:
         raise self._failed(learner if learner.proc.returncode is not None else early)
 
     def _failed(self, child: Child) -> ChildFailed:
+        tail = child.tail()
+        last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
         return ChildFailed(
             f"{child.name} (pid {child.proc.pid}) exited with code {child.proc.returncode} before the run finished; "
-            f"last lines of {child.log_path}:\n" + child.tail()
+            f"last lines of {child.log_path}:\n" + tail,
+            child.proc.returncode,
+            f"{child.name}: {last.strip()}",
         )
 
     def wait_for_endpoints(self) -> list[dict[str, Any]]:
@@ -312,6 +319,9 @@ def main(argv: Sequence[str]) -> int:
             return 1
         return 0
     except ChildFailed as e:
+        if e.code == EXIT_USAGE:  # the child said what to fix in one line: so does grpo run
+            log.error("%s (log: %s)", e.line, run.run_dir / "logs")
+            return EXIT_USAGE
         log.error("%s", e)
         return 1
     except Interrupted as e:
