@@ -122,3 +122,18 @@ def test_grpo_run_whose_learner_fills_the_disk_exits_2_with_its_line(
     line = last_line(log)
     assert "learner: grpo learner: cannot write " in line and "File too large" in line, log.read_text()
     assert "Traceback" not in log.read_text().split("learner: grpo learner:")[-1]
+
+
+@pytest.mark.parametrize("role", ["learner", "run"])
+def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_2(
+    role: str, tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    """`run.dir` under a file (a path mistake; as root the one a read-only directory cannot simulate)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = [role, "-o", f"run.dir={blocker / 'run'}", "-o", f"model.path={tiny_model_dir}"]
+    args += ["-o", f"redis.url={redis_url}"] if role == "learner" else []
+    log = tmp_path / "out.log"
+    assert processes.grpo(*args, log=log).wait(timeout=120) == 2, log.read_text()
+    assert "Traceback" not in log.read_text(), log.read_text()
+    assert last_line(log).startswith(f"grpo {role}: {blocker / 'run'}") and "Not a directory" in last_line(log)
