@@ -33,7 +33,7 @@ from common.model_import import prepare_model_path
 from common.models import max_positions
 from common.schemas import Completion, FilteredStats, GroupMessage, SchemaError, WeightsAnnouncement, encode_group
 from common.tasks import Problem, PromptEncoder, make_task
-from common.transport import Admission, Transport, round_fits
+from common.transport import Admission, Transport, message_byte_limit, round_fits
 from common.weights import WeightsError
 from grader.pool import GraderPool, open_grader
 
@@ -88,6 +88,7 @@ class Actor:
         self.stop = threading.Event()
         lc = cfg.learner
         self.admission = Admission(cfg.actor.max_stream_groups, lc.batch_groups, lc.max_staleness, lc.publish_every - 1)
+        self.max_message_bytes = message_byte_limit(cfg)
         self.groups_sent = 0
         self.rounds = 0
         self.version_sampled = engine.version  # the policy version of the round being sampled
@@ -328,13 +329,21 @@ class Actor:
             if decision is Decision.FORWARD:
                 counters["zero_std_forwarded"] += 1
                 self._warn_forward_once()
-            payloads.append(encode_group(self._message(problem, samples, r, decision is Decision.FORWARD)))
+            payload = encode_group(self._message(problem, samples, r, decision is Decision.FORWARD))
+            if len(payload) > self.max_message_bytes:  # the write script would refuse the round: not this group
+                counters["groups_discarded:oversized"] += 1
+                log.warning("discarding a group of %d bytes, over redis.max_message_bytes (%d)", len(payload),
+                            self.max_message_bytes)  # fmt: skip
+                continue
+            payloads.append(payload)
         # The bound is checked again with the writes, atomically: many actors together never overshoot it. A round
         # that does not fit waits whole (never half a round), also when the actor is asked to stop: then for up to
         # actor.stop_send_timeout_s, past which it is discarded, counted.
         bound = self.cfg.actor.max_stream_groups
         deadline: float | None = None
-        while self.transport.produce(payloads, dict(counters), bound=bound, holder=self.id, filtered=filtered) is None:
+        limit = self.max_message_bytes
+        while self.transport.produce(payloads, dict(counters), bound=bound, holder=self.id, filtered=filtered,
+                                     max_bytes=limit) is None:  # fmt: skip
             if self.transport.is_done():  # the learner reads no more
                 self._discard(payloads, counters, filtered, "run_done")
                 return

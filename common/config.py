@@ -70,6 +70,14 @@ class RedisConfig(_Section):
         "backoff_max_s); past them the process exits with code 3",
     )
     backoff_max_s: float = Field(5.0, gt=0, description="longest wait between two reconnect attempts")
+    max_message_bytes: int = Field(
+        0,
+        ge=0,
+        description="largest group message in bytes: actors refuse to write a larger one, the learner dead-letters "
+        "it (keeping a 4 KiB prefix) without loading it; 0 = twice what the largest valid group of this run takes "
+        "(a prompt of the model's positions and group_size completions of sampling.max_new_tokens, 12 bytes a "
+        "token) plus 64 KiB",
+    )
 
     @model_validator(mode="after")
     def _url_scheme_and_tls(self) -> RedisConfig:

@@ -150,7 +150,7 @@ def dead_main(argv: Sequence[str]) -> int:
         print(f"{total} dead letters in {t.keys.dead}; groups_dead = {t.stats().get('groups_dead', 0)}")
         for e in entries:
             at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(as_text(e.fields.get(b"at", b"0")))))
-            size = len(e.fields.get(b"payload", b""))
+            size = int(e.fields.get(b"size") or len(e.fields.get(b"payload", b"")))  # the message's, not the prefix's
             print(f"{e.id}  {at}  {size:>8} B  {as_text(e.fields.get(b'reason', b''))}")
         return 0
     finally:
@@ -170,6 +170,9 @@ def _show(t: Transport, entry_id: str) -> int:
         print(f"decodes now as a group: prompt {msg.prompt_id}, version {msg.policy_version}, actor {msg.actor_id}")
     except SchemaError as e:
         print(f"does not decode: {e}")
+    if f.get(b"truncated") == b"1":
+        size = as_text(f.get(b"size", b"?"))
+        print(f"kept: the first {len(payload)} of its {size} bytes (oversized: it cannot be replayed)")
     print(f"payload ({len(payload)} bytes): {payload[:4096].hex()}{'…' if len(payload) > 4096 else ''}")
     return 0
 
@@ -183,7 +186,12 @@ def _replay(t: Transport, ids: list[str]) -> int:
             start = "(" + batch[-1].id
     missing = 0
     for entry_id in ids:
-        new = t.replay_dead(entry_id)
+        try:
+            new = t.replay_dead(entry_id)
+        except ValueError as e:  # a truncated (oversized) letter: it stays in the dead stream
+            missing += 1
+            print(f"{entry_id}: {e}", file=sys.stderr)
+            continue
         if new is None:
             missing += 1
             print(f"{entry_id}: no such dead letter", file=sys.stderr)

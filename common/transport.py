@@ -52,7 +52,7 @@ from redis.connection import parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-from common.config import RedisConfig
+from common.config import Config, RedisConfig
 from common.schemas import FilteredStats, WeightsAnnouncement, as_text
 
 log = logging.getLogger(__name__)
@@ -101,9 +101,15 @@ _PRODUCE = (
     + """
 local ncount = tonumber(ARGV[4])
 local nsums = tonumber(ARGV[5])
-local first = 6 + 2 * ncount + 2 * nsums
+local first = 7 + 2 * ncount + 2 * nsums
 local npay = #ARGV - first + 1
 local bound = tonumber(ARGV[2])
+local most = tonumber(ARGV[6])
+for i = first, #ARGV do
+  if most >= 0 and #ARGV[i] > most then
+    return redis.error_reply('oversized: a message of ' .. #ARGV[i] .. ' bytes, over the limit of ' .. most)
+  end
+end
 if npay > 0 and bound >= 0 then
   local waiting = unread(KEYS[1], ARGV[1])
   if waiting > 0 and waiting + npay > bound then return false end  -- round_fits(), the rule actors wait on
@@ -111,9 +117,9 @@ end
 local ids = {}
 for i = first, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'data', ARGV[i]) end
 if npay > 0 then redis.call('HINCRBY', KEYS[2], 'groups_produced', npay) end
-for i = 0, ncount - 1 do redis.call('HINCRBY', KEYS[2], ARGV[6 + 2 * i], ARGV[7 + 2 * i]) end
+for i = 0, ncount - 1 do redis.call('HINCRBY', KEYS[2], ARGV[7 + 2 * i], ARGV[8 + 2 * i]) end
 for i = 0, nsums - 1 do
-  redis.call('HINCRBYFLOAT', KEYS[4], ARGV[6 + 2 * ncount + 2 * i], ARGV[7 + 2 * ncount + 2 * i])
+  redis.call('HINCRBYFLOAT', KEYS[4], ARGV[7 + 2 * ncount + 2 * i], ARGV[8 + 2 * ncount + 2 * i])
 end
 if ARGV[3] ~= '' then redis.call('HDEL', KEYS[3], ARGV[3]) end  -- the round is in: its reservation ends
 return ids
@@ -162,10 +168,56 @@ _DEAD_LETTER = """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if redis.call('XDEL', KEYS[1], ARGV[2]) == 0 then return 0 end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'reason', ARGV[3], 'payload', ARGV[4], 'source_id', ARGV[2],
-           'at', ARGV[5])
+           'at', ARGV[5], 'size', #ARGV[4])
 redis.call('HINCRBY', KEYS[2], 'groups_dead', 1)
 return 1
 """
+# Deliver entries to the learner, bounded in bytes, without an oversized one ever leaving Redis: it is dead-lettered
+# here (its first ARGV[7] bytes kept, marked truncated). Mode 'new' reads new entries one at a time (XREADGROUP);
+# mode 'ids' fetches entries already pending for this consumer (ARGV[10...]), one id at a time. It stops after
+# ARGV[3] entries examined (returned or dead) or once those returned hold ARGV[5] bytes; it returns how many ids it
+# dealt with, the dead-lettered ids and reasons, and the entries.
+_DELIVER = """
+local count, most, budget = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local out, dead, bytes, taken = {}, {}, 0, 0
+local function take(id, fields)
+  local data
+  for i = 1, #fields, 2 do if fields[i] == 'data' then data = fields[i + 1] end end
+  local size = data and #data or 0
+  if size <= most then
+    out[#out + 1] = {id, fields}
+    bytes = bytes + size
+    return
+  end
+  local reason = 'oversized: ' .. size .. ' bytes, over the limit of ' .. most .. ' (redis.max_message_bytes)'
+  redis.call('XACK', KEYS[1], ARGV[1], id)
+  redis.call('XDEL', KEYS[1], id)
+  local prefix = string.sub(data, 1, tonumber(ARGV[7]))
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'reason', reason, 'payload', prefix, 'source_id', id,
+             'at', ARGV[8], 'size', size, 'truncated', '1')
+  redis.call('HINCRBY', KEYS[2], 'groups_dead', 1)
+  dead[#dead + 1] = id
+  dead[#dead + 1] = reason
+end
+if ARGV[9] == 'new' then
+  while taken < count and bytes < budget do
+    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[1], '>')
+    if not r then break end
+    local e = r[1][2][1]
+    take(e[1], e[2])
+    taken = taken + 1
+  end
+else
+  for i = 10, #ARGV do
+    if #out >= count or bytes >= budget then break end
+    local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+    if #e == 0 then redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) else take(e[1][1], e[1][2]) end  -- gone: settled
+    taken = taken + 1
+  end
+end
+return {taken, dead, out}
+"""
+_CLAIM_IDS = "return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', 256, 'JUSTID')"
 # Replay: the dead letter goes back into the groups stream as a newly produced group (so the equation still holds:
 # it was counted dead once, and is now counted produced once more) and leaves the dead stream, in one step.
 _REPLAY = """
@@ -173,8 +225,13 @@ local e = redis.call('XRANGE', KEYS[3], ARGV[1], ARGV[1])
 if #e == 0 then return false end
 local fields = e[1][2]
 local payload
-for i = 1, #fields, 2 do if fields[i] == 'payload' then payload = fields[i + 1] end end
+local truncated
+for i = 1, #fields, 2 do
+  if fields[i] == 'payload' then payload = fields[i + 1] end
+  if fields[i] == 'truncated' then truncated = fields[i + 1] end
+end
 if payload == nil then return false end
+if truncated == '1' then return redis.error_reply('TRUNCATED the dead letter holds only a prefix of its message') end
 local id = redis.call('XADD', KEYS[1], '*', 'data', payload)
 redis.call('HINCRBY', KEYS[2], 'groups_produced', 1)
 redis.call('HINCRBY', KEYS[2], 'groups_replayed', 1)
@@ -182,6 +239,43 @@ redis.call('XDEL', KEYS[3], ARGV[1])
 return id
 """
 T = TypeVar("T")
+DEAD_PREFIX_BYTES = 4096  # what the dead stream keeps of an oversized message: enough to see what it was
+
+
+class MessageTooLarge(ValueError):
+    """A group message over ``redis.max_message_bytes``: refused by the script that writes, nothing written."""
+
+
+def message_byte_limit(cfg: Config) -> int:
+    """``redis.max_message_bytes``, or (0) twice the largest valid group of this run on the wire, plus 64 KiB: a
+    prompt as long as the model's positions (or ``task.max_prompt_tokens``; 32,768 tokens when neither says) and
+    ``group_size`` completions of ``sampling.max_new_tokens``, at 12 bytes a token (a 4-byte id and an 8-byte
+    log-prob, the widest the schema takes) and 64 bytes a completion. Actors and the learner derive the same."""
+    if cfg.redis.max_message_bytes:
+        return cfg.redis.max_message_bytes
+    prompt = cfg.task.max_prompt_tokens or _positions(cfg.model.path) or 32_768
+    g = cfg.actor.group_size
+    return 2 * (12 * (prompt + g * cfg.sampling.max_new_tokens) + 64 * g) + 64 * 1024
+
+
+def _positions(path: str) -> int | None:
+    from common.models import max_positions
+
+    try:
+        return max_positions(path)
+    except Exception:  # not a model directory this process can read (an SGLang actor's server-side path)
+        return None
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """What one delivery to the learner may load: an entry over ``max_bytes`` is dead-lettered inside Redis (its
+    first ``DEAD_PREFIX_BYTES`` kept) and never returned; a delivery stops once its entries hold ``budget_bytes``
+    (at least one entry is returned). ``dead_keep``: about how many entries the dead stream keeps."""
+
+    max_bytes: int
+    budget_bytes: int
+    dead_keep: int = 100_000
 
 
 def round_fits(unread: int, size: int, bound: int) -> bool:
@@ -287,6 +381,16 @@ class StreamEntry:
         return self.fields.get(b"data")
 
 
+class Delivery(list[StreamEntry]):
+    """Entries delivered to a learner (the list), with the (id, reason) of each oversized one dead-lettered on the
+    way (``dead``) and how many of the ids asked for were dealt with (``taken``, :meth:`Transport.fetch`)."""
+
+    def __init__(self, entries: Iterable[StreamEntry], dead: list[tuple[str, str]], taken: int = 0):
+        super().__init__(entries)
+        self.dead = dead
+        self.taken = taken
+
+
 class _LoggingRetry(Retry):
     """redis-py's bounded retry with backoff, logging ``attempt i/n`` and counting reconnects."""
 
@@ -380,6 +484,8 @@ class Transport:
         self._renew_script = self.client.register_script(_RENEW)
         self._unread_script = self.client.register_script(_UNREAD)
         self._dead_script = self.client.register_script(_DEAD_LETTER)
+        self._deliver_script = self.client.register_script(_DELIVER)
+        self._claim_ids_script = self.client.register_script(_CLAIM_IDS)
         self._replay_script = self.client.register_script(_REPLAY)
         self._hdel_if_script = self.client.register_script(_HDEL_IF)
 
@@ -423,6 +529,7 @@ class Transport:
         bound: int | None = None,
         holder: str = "",
         filtered: FilteredStats | None = None,
+        max_bytes: int | None = None,
     ) -> list[str] | None:
         """XADD groups and count them as produced, atomically: all of them or none.
 
@@ -432,16 +539,23 @@ class Transport:
         stream): the check and the writes are one script, so many actors together never overshoot the bound.
         Written, the round ends ``holder``'s reservation (:meth:`reserve_round`). ``filtered`` summarises the
         round's groups that were sampled and filtered out: added to the ``filtered`` hash in the same script, so the
-        learner's reward figures count them whatever becomes of the groups sent."""
+        learner's reward figures count them whatever becomes of the groups sent. A payload over ``max_bytes`` makes
+        the script refuse the whole call (:class:`MessageTooLarge`), writing nothing."""
         counters = {k: n for k, n in (counters or {}).items() if n}
         sums = filtered.fields() if filtered is not None and filtered.groups else {}
         if not payloads and not counters and not sums:
             return []
         args: list[Any] = [CONSUMER_GROUP, -1 if bound is None else bound, holder, len(counters), len(sums)]
+        args.append(-1 if max_bytes is None else max_bytes)
         for name, n in [*counters.items(), *sums.items()]:
             args += [name, repr(n) if isinstance(n, float) else n]
         keys = [self.keys.groups, self.keys.stats, self.keys.inflight, self.keys.filtered]
-        reply = self._do(lambda: self._produce_script(keys=keys, args=[*args, *payloads]))
+        try:
+            reply = self._do(lambda: self._produce_script(keys=keys, args=[*args, *payloads]))
+        except redis.ResponseError as e:
+            if "oversized" in str(e):
+                raise MessageTooLarge(str(e).split("oversized: ", 1)[-1]) from None
+            raise
         return None if reply is None else [as_text(i) for i in reply]
 
     def reserve_round(self, holder: str, groups: int, version: int, admission: Admission, lease_s: float) -> bool:
@@ -507,35 +621,56 @@ class Transport:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    def read(self, consumer: str, count: int, block_ms: int) -> list[StreamEntry]:
-        """New entries for this consumer (XREADGROUP ... >); they stay pending until settled (see :meth:`stranded`
-        for pending ones the consumer never saw)."""
-        reply: Any = self._do(
-            lambda: self.client.xreadgroup(
-                CONSUMER_GROUP, consumer, {self.keys.groups: ">"}, count=count, block=block_ms
-            )
-        )
-        return [StreamEntry(as_text(i), f) for _stream, entries in reply or [] for i, f in entries if f is not None]
+    def read(self, consumer: str, count: int, block_ms: int, limits: ReadLimits | None = None) -> Delivery:
+        """Up to ``count`` new entries for this consumer, waiting up to ``block_ms`` for the first; they stay
+        pending until settled (see :meth:`stranded` for pending ones the consumer never saw). Within ``limits``
+        (none: unbounded), as :data:`_DELIVER` reads them: oversized entries are dead-lettered inside Redis, and the
+        delivery stops at the byte budget. Waiting polls every 20 ms (a blocking XREADGROUP would hand over an
+        entry whatever its size)."""
+        deadline = time.monotonic() + block_ms / 1000
+        while True:
+            got = self._deliver("new", consumer, count, limits, [])
+            left = deadline - time.monotonic()
+            if got or got.dead or left <= 0:
+                return got
+            time.sleep(min(0.02, left))
 
-    def claim_pending(self, consumer: str, min_idle_ms: int = 0) -> list[StreamEntry]:
-        """Take over entries another (dead) learner read but never acked (XAUTOCLAIM), oldest first."""
-        out: list[StreamEntry] = []
+    def fetch(self, consumer: str, ids: list[str], count: int, limits: ReadLimits | None = None) -> Delivery:
+        """Entries already pending for ``consumer`` (from :meth:`stranded`), in order, within ``limits`` like
+        :meth:`read`; ``taken`` says how many of ``ids`` were dealt with (returned, dead-lettered, or found
+        settled already)."""
+        return self._deliver("ids", consumer, count, limits, ids[: max(count, 1) * 4])
+
+    def _deliver(self, mode: str, consumer: str, count: int, limits: ReadLimits | None, ids: list[str]) -> Delivery:
+        lim = limits or ReadLimits(2**62, 2**62)
+        args: list[Any] = [CONSUMER_GROUP, consumer, count, lim.max_bytes, lim.budget_bytes, lim.dead_keep,
+                           DEAD_PREFIX_BYTES, repr(time.time()), mode, *ids]  # fmt: skip
+        keys = [self.keys.groups, self.keys.stats, self.keys.dead]
+        taken, dead, entries = cast(Any, self._do(lambda: self._deliver_script(keys=keys, args=args)))
+        return Delivery(
+            [StreamEntry(as_text(i), dict(zip(f[::2], f[1::2], strict=True))) for i, f in entries],
+            [(as_text(dead[k]), as_text(dead[k + 1])) for k in range(0, len(dead), 2)],
+            int(taken),
+        )
+
+    def claim_pending(self, consumer: str, min_idle_ms: int = 0) -> list[str]:
+        """Take over entries another (dead) learner read but never acked (XAUTOCLAIM JUSTID, 256 a page): their
+        ids, oldest first; no payload is loaded (:meth:`stranded` lists them, :meth:`fetch` reads them in pages)."""
+        out: list[str] = []
         start = "0-0"
         while True:
-            reply: Any = self._do(
-                lambda s=start: self.client.xautoclaim(  # type: ignore[misc]
-                    self.keys.groups, CONSUMER_GROUP, consumer, min_idle_ms, start_id=s, count=256
-                )
-            )
-            start, entries = as_text(reply[0]), reply[1]
-            out.extend(StreamEntry(as_text(i), f) for i, f in entries if f is not None)
+            # A script, because redis-py's XAUTOCLAIM ... JUSTID drops the cursor from its reply.
+            args = [CONSUMER_GROUP, consumer, min_idle_ms, start]
+            reply: Any = self._do(lambda a=args: self._claim_ids_script(keys=[self.keys.groups], args=a))  # type: ignore[misc]
+            start = as_text(reply[0])
+            out.extend(as_text(i) for i in reply[1])
             if start == "0-0":
                 return out
 
-    def stranded(self, consumer: str, known: set[str]) -> list[StreamEntry]:
-        """Entries pending for ``consumer`` that it does not know it holds: taken over from a dead learner, or
-        delivered by a read whose reply was lost. Costs one XPENDING summary when there are none (the usual case);
-        only their ids are listed otherwise, and just those entries are fetched."""
+    def stranded(self, consumer: str, known: set[str]) -> list[str]:
+        """Ids of entries pending for ``consumer`` that it does not know it holds: taken over from a dead learner,
+        or delivered by a read whose reply was lost (:meth:`fetch` reads them in pages). Costs one XPENDING summary
+        when there are none (the usual case)."""
         summary: Any = self._do(lambda: self.client.xpending(self.keys.groups, CONSUMER_GROUP))
         ours = sum(int(c["pending"]) for c in summary.get("consumers") or [] if as_text(c["name"]) == consumer)
         if ours <= len(known):
@@ -552,14 +687,7 @@ class Transport:
             if len(page) < 1000:
                 break
             start = "(" + as_text(page[-1]["message_id"])
-        out: list[StreamEntry] = []
-        for k in range(0, len(ids), 1000):
-            chunk = ids[k : k + 1000]
-            reply: Any = self._do(
-                lambda c=chunk: self.client.xclaim(self.keys.groups, CONSUMER_GROUP, consumer, 0, c)  # type: ignore[misc]
-            )
-            out += [StreamEntry(as_text(e), f) for e, f in reply if f is not None]
-        return out
+        return ids
 
     def _settle(self, ids: list[str], counter: str) -> None:
         for i in range(0, len(ids), _SCRIPT_CHUNK):
@@ -591,9 +719,9 @@ class Transport:
         self._settle(ids, f"groups_dropped:{reason}")
 
     def dead_letter(self, entry: StreamEntry, reason: str, keep: int = 100_000) -> None:
-        """Move a message that failed to decode or validate to the ``dead`` stream, with its reason and raw bytes.
-        The stream keeps about the newest ``keep`` (a flood of garbage must not fill Redis); ``groups_dead``
-        counts every one."""
+        """Move a message that failed to decode or validate to the ``dead`` stream, with its reason, raw bytes and
+        size (an oversized one never gets here: :meth:`read` dead-letters it with a prefix). The stream keeps about
+        the newest ``keep`` (a flood of garbage must not fill Redis); ``groups_dead`` counts every one."""
         payload = entry.payload if entry.payload is not None else b""
         self._do(
             lambda: self._dead_script(
@@ -603,16 +731,23 @@ class Transport:
         )
 
     def dead_letters(self, count: int, start: str = "-") -> list[StreamEntry]:
-        """The oldest ``count`` dead letters from ``start`` (fields: reason, payload, source_id, at)."""
+        """The oldest ``count`` dead letters from ``start`` (fields: reason, payload, source_id, at, size, and
+        ``truncated`` when the payload is only the first ``DEAD_PREFIX_BYTES`` of an oversized message)."""
         reply: Any = self._do(lambda: self.client.xrange(self.keys.dead, min=start, count=count))
         return [StreamEntry(as_text(i), f) for i, f in reply]
 
     def replay_dead(self, dead_id: str) -> str | None:
         """Put a dead letter's payload back into the groups stream (counted as produced and as
-        ``groups_replayed``) and remove it from the dead stream, atomically. None if there is no such entry."""
-        reply = self._do(
-            lambda: self._replay_script(keys=[self.keys.groups, self.keys.stats, self.keys.dead], args=[dead_id])
-        )
+        ``groups_replayed``) and remove it from the dead stream, atomically. None if there is no such entry;
+        :class:`ValueError` if it holds only a prefix of an oversized message (it stays where it is)."""
+        keys = [self.keys.groups, self.keys.stats, self.keys.dead]
+        try:
+            reply = self._do(lambda: self._replay_script(keys=keys, args=[dead_id]))
+        except redis.ResponseError as e:
+            if "TRUNCATED" in str(e):
+                raise ValueError(f"it holds only the first {DEAD_PREFIX_BYTES} bytes of an oversized message: it "
+                                 "cannot be replayed") from None  # fmt: skip
+            raise
         return None if reply is None else as_text(reply)
 
     # -- weights ----------------------------------------------------------------------------------------------

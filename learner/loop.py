@@ -7,6 +7,7 @@ optimisation itself (advantages, off-policy correction, updates) is learner.trai
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ from common.models import load_pretrained
 from common.schemas import FilteredStats, GroupMessage, SchemaError, WeightsAnnouncement, decode_group, encode_group
 from common.storage import StorageError, fsync_dir, fsync_file, writing
 from common.tasks import PromptEncoder, eval_problems
-from common.transport import StreamEntry, Transport, read_balance
+from common.transport import ReadLimits, StreamEntry, Transport, message_byte_limit, read_balance
 from common.weights import publish, tensors_digest
 from grader.pool import GraderPool, open_grader
 from learner import checkpoint
@@ -367,7 +368,7 @@ class Learner:
         # come first, then new entries.
         self.check_identity(self.transport.identity_id())  # one HGET a step: did Redis lose the run?
         try:
-            backlog = self.transport.stranded(self.consumer, set(self.window_ids))
+            backlog = self.transport.stranded(self.consumer, set(self.window_ids))  # ids: fetched a page at a time
         except redis.ResponseError as e:
             if not self._stream_gone(e):
                 raise
@@ -378,14 +379,17 @@ class Learner:
                 return None
             asked = want - len(groups)
             if backlog:
-                entries, backlog = backlog[:asked], backlog[asked:]
+                got = self.transport.fetch(self.consumer, backlog, asked, self.read_limits)
+                backlog = backlog[got.taken :]
             else:
                 try:
-                    entries = self.transport.read(self.consumer, asked, self.cfg.learner.read_block_ms)
+                    got = self.transport.read(self.consumer, asked, self.cfg.learner.read_block_ms, self.read_limits)
                 except redis.ResponseError as e:
                     if not self._stream_gone(e):
                         raise
                     continue
+            self._dead_on_arrival(got.dead)
+            entries = list(got)
             drops: dict[str, list[str]] = {}
             decoded = [(entry, msg) for entry in entries if (msg := self.decode(entry)) is not None]
             trained = self.transport.trained_before([msg.group_id for _, msg in decoded])
@@ -420,6 +424,20 @@ class Learner:
         if not new.groups:
             return groups
         return [replace(groups[0], filtered=groups[0].filtered + new), *groups[1:]]
+
+    @functools.cached_property
+    def read_limits(self) -> ReadLimits:
+        """Bytes a read may load: entries over ``redis.max_message_bytes`` (derived from the model's limits) are
+        dead-lettered inside Redis, and a read stops at 8 times that (at least 8 MiB)."""
+        most = message_byte_limit(self.cfg)
+        return ReadLimits(most, max(8 * most, 8 * 2**20), self.cfg.learner.dead_letter_keep)
+
+    def _dead_on_arrival(self, dead: list[tuple[str, str]]) -> None:
+        """Count the oversized entries a read dead-lettered (in Redis already)."""
+        for entry_id, reason in dead:
+            log.warning("dead-lettered %s: %s", entry_id, reason)
+        self.dead += len(dead)
+        self.metrics.groups_dead.inc(len(dead))
 
     def decode(self, entry: StreamEntry) -> GroupMessage | None:
         """The group, or None after dead-lettering a message that is malformed or does not fit this model."""
