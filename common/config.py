@@ -288,7 +288,8 @@ class ActorConfig(_Section):
     max_stream_groups: int = Field(
         0,
         ge=0,
-        description="backpressure: actors wait while the stream holds this many unread groups; 0 = 2 x batch_groups",
+        description="backpressure: actors wait while the stream holds this many unread groups; 0 = 2 x batch_groups "
+        "(fewer still when the learner could not train them within learner.max_staleness)",
     )
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="the actors:<id> key expires this long after a beat")
     stop_send_timeout_s: float = Field(

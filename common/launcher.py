@@ -129,6 +129,9 @@ class Run:
             self.redis_server = RedisServer(self.run_dir / "redis", password=password).start()
             self.cfg.redis.url = self.redis_server.url
             self.cfg.redis.password = SecretStr(password)
+            # It knows only its default user: an ACL user from the operator's environment (for another Redis) would be
+            # refused there.
+            self.cfg.redis.username = ""
             log.info(
                 "private redis-server (pid %d) at %s, password in %s",
                 self.redis_server.proc.pid,
@@ -151,6 +154,8 @@ class Run:
         env["GRPO_REDIS_URL"] = self.cfg.redis.url
         if self.cfg.redis.password is not None:
             env["GRPO_REDIS_PASSWORD"] = self.cfg.redis.password.get_secret_value()
+        if self.redis_server is not None:
+            env.pop("GRPO_REDIS_USERNAME", None)  # the private server knows only its default user (start_redis)
         log_path = self.run_dir / "logs" / f"{name}.log"
         cmd = [sys.executable, "-m", "common.cli", role, "--config", str(self.run_dir / "config.json")]
         for o in overrides:

@@ -91,10 +91,10 @@ def test_grpo_run_end_to_end(demo_model_dir: Path, tmp_path: Path, processes) ->
     assert (run_dir / "logs" / "learner.log").exists() and (run_dir / "logs" / "actor-1.log").exists()
 
 
-def _start_long_run(tmp_path: Path, processes):  # type: ignore[no-untyped-def]
+def _start_long_run(tmp_path: Path, processes, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     run_dir = tmp_path / "run"
     log = tmp_path / "grpo-run.log"
-    proc = processes.grpo("run", "--plain", "-o", "run.steps=100000", "-o", f"run.dir={run_dir}", log=log)
+    proc = processes.grpo("run", "--plain", "-o", "run.steps=100000", "-o", f"run.dir={run_dir}", log=log, env=env)
     assert wait_until((run_dir / "endpoints.json").exists, 120), log.read_text()
     assert wait_until(
         lambda: (run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) > 2,
@@ -132,7 +132,9 @@ def test_ctrl_c_stops_every_process(demo_model_dir: Path, tmp_path: Path, proces
 def test_the_private_redis_wants_the_runs_password(demo_model_dir: Path, tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]
     import redis
 
-    proc, log, endpoints = _start_long_run(tmp_path, processes)
+    # An ACL user in the operator's environment (for another Redis) must not reach the children: the private server
+    # knows only its default user.
+    proc, log, endpoints = _start_long_run(tmp_path, processes, env={"GRPO_REDIS_USERNAME": "someone-else"})
     run_dir = tmp_path / "run"
     password_file = run_dir / "redis" / "password"
     password = password_file.read_text().strip()
