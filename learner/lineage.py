@@ -56,13 +56,15 @@ class Lineage:
     def age(self, version: int, epoch: int | None, step: int) -> tuple[str | None, int]:
         """How many learner steps the weights ``version`` are behind ``step`` (the current one): ``(None, age)``, or
         why no age can be given: ``("future", 0)`` for weights this lineage has not reached (a newer learner's),
-        ``("lineage", 0)`` for a dead branch's or weights of no epoch this lineage knows. ``epoch``: the group's
+        ``("lineage", 0)`` for a dead branch's. ``epoch``: the group's
         own stamp when it has one; it must agree with the epoch its version falls in."""
         if epoch is not None and epoch > self.current.epoch:
             return "future", 0
         for i in range(len(self.epochs) - 1, -1, -1):
             e = self.epochs[i]
-            if version < e.version:
+            # Below the first epoch it knows, the lineage counts back from it: a checkpoint of an earlier build knows
+            # only its own step and version, and the versions before were that learner's own past.
+            if version < e.version and i > 0:
                 continue
             if epoch is not None and epoch != e.epoch:
                 return "lineage", 0  # a stamp that disagrees with its version: an epoch no checkpoint recorded
@@ -70,4 +72,4 @@ class Lineage:
             if i + 1 < len(self.epochs) and at > self.epochs[i + 1].step:
                 return "lineage", 0  # published after the step the next epoch resumed from: a dead branch
             return ("future", 0) if at > step else (None, step - at)
-        return "lineage", 0  # older than the first epoch this lineage knows
+        raise AssertionError("unreachable: the first epoch takes every version")

@@ -45,7 +45,15 @@ def test_an_epoch_stamp_that_disagrees_with_its_version_is_lineage_and_a_newer_o
     assert lineage.age(5, 1, 4) == ("lineage", 0)
     assert lineage.age(3, 1, 4) == ("lineage", 0)
     assert lineage.age(7, 2, 4) == ("future", 0)  # a newer learner's epoch
-    assert Lineage([Epoch(0, 3, 3)]).age(2, None, 3) == ("lineage", 0)  # before what this lineage knows
+
+
+def test_versions_before_the_first_known_epoch_are_its_past() -> None:
+    """A checkpoint of an earlier build keeps no lineage: the learner knows only its step and version, and the
+    pending groups of the steps lost since are trained again, aged backwards from there."""
+    lineage = Lineage.from_json([[0, 50, 50]])
+    assert lineage.age(49, None, 50) == (None, 1)
+    assert lineage.age(48, None, 51) == (None, 3)
+    assert lineage.age(49, 0, 50) == (None, 1)  # stamped with the same epoch
 
 
 def test_the_table_round_trips_and_epochs_only_go_forward() -> None:
