@@ -113,12 +113,15 @@ class Learner:
     def run(self) -> int:
         if self.main:
             self.transport.ensure_consumer_group()
+        # The run's identity is checked before anything in Redis is touched (resume acknowledges what its checkpoint
+        # covers): a learner pointed at another run's Redis must change nothing there.
+        resumed = self.resume()
+        if self.main:
+            if not resumed:
+                self.claim_identity()
             taken = self.transport.claim_pending(self.consumer)  # read by an earlier learner, never settled
             if taken:
                 log.info("took over %d groups an earlier learner had read and not settled", len(taken))
-        resumed = self.resume()
-        if self.main:
-            self.claim_identity()
         self.continue_versions()
         if self.main:
             self.transport.clear_done()  # (re)started to train: actors must not stop
@@ -240,6 +243,7 @@ class Learner:
         self.lineage = Lineage.from_json(r.epochs or [[0, r.step, r.version]])
         if not self.main:
             return True
+        self.claim_identity()
         self.transport.ack_trained(r.covers, r.covers_groups, r.step, self.cfg.checkpoint.dedup_window)
         self._truncate_metrics(r.step)
         log.info("resumed from %s: step %d, policy version %d", path, r.step, r.version)
@@ -302,8 +306,9 @@ class Learner:
         self.transport.record_reset(self.run_id, self.step, self.groups_consumed)
         self.transport.ensure_consumer_group()
         self.window_ids, self.window_groups = [], []  # their entries are gone: nothing is left to acknowledge
-        if self._last_announcement is not None:  # actors holding it see a version that did not go back
-            self.transport.announce_weights(self._last_announcement)
+        with self._publish_lock:  # the broadcast thread may be announcing a newer one: never announce over it
+            if self._last_announcement is not None:  # actors holding it see a version that did not go back
+                self.transport.announce_weights(self._last_announcement)
 
     def _stream_gone(self, e: redis.ResponseError) -> bool:
         """Whether a reply says the stream or its consumer group no longer exists (then: what happened to Redis?)."""

@@ -107,6 +107,9 @@ def test_a_learner_whose_checkpoints_are_another_runs_than_redis_holds_exits_2(
     assert state["run_id"] == mine and state["epochs"] == [[0, 0, 0]]
 
     t.client.hset(t.keys.identity, "id", "another-run")
+    # The other run's learner has read two groups and not settled them yet: they must stay its own.
+    t.produce([group(tok, 0) for _ in range(2)])
+    t.read("other-learner", 2, 0)
     settings = [f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}",
                 "run.name=two", "run.steps=2", "learner.batch_groups=2", "actor.group_size=4",
                 "task.eval_size=2"]  # fmt: skip
@@ -116,4 +119,6 @@ def test_a_learner_whose_checkpoints_are_another_runs_than_redis_holds_exits_2(
     assert "Traceback" not in log and "Redis holds run another-run under run.name two" in log, log
     assert f"are run {mine}'s: give each run its own run.name" in log
     assert t.identity()["id"] == "another-run" and "reset_at" not in t.identity()
+    pending = t.client.xpending(t.keys.groups, "learners")
+    assert pending["pending"] == 2 and [c["name"] for c in pending["consumers"]] == [b"other-learner"], pending
     t.close()
