@@ -220,8 +220,11 @@ class Run:
 
     def stop_children(self) -> None:
         # Actors first (they exit by themselves once the learner marks the run done), then the learner.
+        # An actor may wait up to actor.stop_send_timeout_s for room to send its round whole (the learner, still
+        # running, makes it): its grace covers that wait.
         for child in sorted(self.children, key=lambda c: c.role == "learner"):
-            stop_process(child.proc, grace_s=10, name=child.name)
+            grace = self.cfg.actor.stop_send_timeout_s + 10 if child.role == "actor" else 10
+            stop_process(child.proc, grace_s=grace, name=child.name)
 
     def wait_actors(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
