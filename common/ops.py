@@ -52,6 +52,7 @@ def status_main(argv: Sequence[str]) -> int:
             "pending": b.pending,
             "unread": b.unread,
             "filtered": b.filtered,
+            "discarded": b.discarded,
             "unexplained": b.unexplained,
             "lost": lost,  # what Redis no longer holds of the run (empty: the counts are the whole run's)
             "published_version": None if ann is None else ann.version,
@@ -71,7 +72,7 @@ def status_main(argv: Sequence[str]) -> int:
         print(report["equation"])
         for line in lost:
             print(f"NOT WHOLE: {line}")
-        print(f"dropped {b.dropped}  filtered {b.filtered}")
+        print(f"dropped {b.dropped}  filtered {b.filtered}  discarded {b.discarded}")
         print(f"{len(actors)} live actors: " + ", ".join(f"{k} (v{v})" for k, v in versions.items()))
     return 0 if b.unexplained == 0 and not lost else 1
 

@@ -42,7 +42,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
@@ -911,6 +911,7 @@ class Balance:
     filtered: dict[str, int]
     unread: int = 0  # in the stream, not yet read by a learner
     # (the rest of in_stream is pending: read, and waiting for the checkpoint that covers its step)
+    discarded: dict[str, int] = field(default_factory=dict)  # sampled by actors, never sent (outside the equation)
 
     @property
     def pending(self) -> int:
@@ -945,4 +946,5 @@ def read_balance(t: Transport) -> Balance:
         in_stream=int(xlen),
         filtered={k.split(":", 1)[1]: v for k, v in s.items() if k.startswith("groups_filtered:")},
         unread=int(unread),
+        discarded={k.split(":", 1)[1]: v for k, v in s.items() if k.startswith("groups_discarded:")},
     )

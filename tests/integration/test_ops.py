@@ -46,8 +46,11 @@ def test_read_and_replay_dead_letters(redis_url: str) -> None:
     assert t.stats()["groups_replayed"] == 1 and len(t.dead_letters(10)) == 1
     assert grpo(redis_url, "dead", "--replay", dead_ids[1]).returncode == 1  # gone: nothing replayed twice
 
+    t.client.hincrby(t.keys.stats, "groups_discarded:stopped", 4)  # as an actor stopped with no room counts it
     status = grpo(redis_url, "status", "--json")
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["unexplained"] == 0 and report["dead"] == 2 and report["pending"] == 1
+    assert report["discarded"] == {"stopped": 4}
+    assert "discarded {'stopped': 4}" in grpo(redis_url, "status").stdout
     t.close()
