@@ -44,7 +44,8 @@ def test_groups_are_stamped_and_a_killed_server_ends_the_actor_in_one_line(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(demo_model_dir)
-    t.announce_weights(publish(model, AutoTokenizer.from_pretrained(demo_model_dir), tmp_path / "w", 3, 2).announcement)
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    t.announce_weights(publish(model, tok, tmp_path / "weights", 3, 2).announcement)  # inside the actor's weights.dir
     cleared = t.client.xlen(t.keys.groups)
     t.client.delete(t.keys.groups)  # room for the actor (backpressure): these groups are accounted for here
 
