@@ -24,6 +24,7 @@ from common.config import RedisConfig
 from common.procs import wait_until
 from common.schemas import SchemaError
 from common.transport import Transport, read_balance
+from tests.faults.runs import run_settings
 from tests.faults.test_faults import _tail
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -42,23 +43,7 @@ GARBAGE = [
 
 
 def settings(url: str, model: Path, run_dir: Path) -> list[str]:
-    values = [
-        f"redis.url={url}",
-        f"model.path={model}",
-        f"run.dir={run_dir}",
-        "run.name=badw",
-        f"run.steps={STEPS}",
-        f"learner.batch_groups={BATCH}",
-        "learner.eval_every=1000",
-        "learner.max_staleness=4",
-        "actor.group_size=4",
-        "actor.prompts_per_round=4",
-        "actor.heartbeat_ttl_s=3",
-        "task.eval_size=5",
-        "grader.isolation=inline",
-        "checkpoint.every=3",
-    ]
-    return [a for v in values for a in ("-o", v)]
+    return run_settings(url, model, run_dir, "badw", STEPS, BATCH, "checkpoint.every=3")
 
 
 def test_garbage_in_weights_latest_is_survived(demo_model_dir: Path, redis_url: str, tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]

@@ -23,6 +23,7 @@ from common.config import RedisConfig
 from common.procs import wait_until
 from common.redis_server import RedisServer
 from common.transport import Transport, read_balance
+from tests.faults.runs import PATIENT_REDIS, run_settings
 from tests.faults.test_faults import _tail
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -33,25 +34,7 @@ LOST = "Redis lost this run's state"
 
 
 def settings(url: str, model: Path, run_dir: Path) -> list[str]:
-    values = [
-        f"redis.url={url}",
-        f"model.path={model}",
-        f"run.dir={run_dir}",
-        "run.name=wipe",
-        f"run.steps={STEPS}",
-        f"learner.batch_groups={BATCH}",
-        "learner.eval_every=1000",
-        "learner.max_staleness=4",
-        "actor.group_size=4",
-        "actor.prompts_per_round=4",
-        "actor.heartbeat_ttl_s=3",
-        "task.eval_size=5",
-        "grader.isolation=inline",
-        "redis.backoff_max_s=1",
-        "redis.retries=30",
-        "checkpoint.every=3",
-    ]
-    return [a for v in values for a in ("-o", v)]
+    return run_settings(url, model, run_dir, "wipe", STEPS, BATCH, *PATIENT_REDIS, "checkpoint.every=3")
 
 
 def test_redis_wiped_mid_run_and_restarted_empty(demo_model_dir: Path, tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]
