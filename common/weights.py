@@ -318,12 +318,20 @@ def prune(root: str | os.PathLike[str], keep: int, protect: Collection[int] = ()
     for leftover in Path(root).glob(".tmp-v*"):
         if _OWNER in leftover.name or _untouched_for(leftover) > _TMP_MAX_AGE_S:
             shutil.rmtree(leftover, ignore_errors=True)
-    versions = sorted(
-        (int(m.group(1)), p) for p in Path(root).iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()
-    )
+    versions = [(v, path) for v, path in _versions(Path(root)) if path.is_dir()]
     for v, path in versions[:-keep] if keep > 0 else versions:
         if v not in protect:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def newest_on_disk(root: str | os.PathLike[str]) -> int:
+    """The highest version under ``weights.dir`` (-1: none): a version some actor may hold, announced or not."""
+    return max((v for v, _ in _versions(Path(root))), default=-1) if Path(root).is_dir() else -1
+
+
+def _versions(root: Path) -> list[tuple[int, Path]]:
+    """The entries under ``root`` named as versions (``v000012``), by version."""
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _VERSION_DIR.match(p.name)))
 
 
 def _untouched_for(directory: Path) -> float:

@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import re
 import secrets
 import signal
 import socket
@@ -37,7 +36,7 @@ from common.schemas import FilteredStats, GroupMessage, SchemaError, WeightsAnno
 from common.storage import StorageError, fsync_dir, fsync_file, writing
 from common.tasks import PromptEncoder, eval_problems
 from common.transport import ReadLimits, StreamEntry, Transport, message_byte_limit, read_balance
-from common.weights import publish, tensors_digest
+from common.weights import newest_on_disk, publish, tensors_digest
 from grader.pool import GraderPool, open_grader
 from learner import checkpoint
 from learner.alarms import Alarms
@@ -671,16 +670,6 @@ class Learner:
 
 
 # -- the process ------------------------------------------------------------------------------------------------
-
-_VERSION_DIR = re.compile(r"^v(\d{6,})$")
-
-
-def newest_on_disk(weights_dir: str) -> int:
-    """The highest version under ``weights.dir`` (-1: none): a version some actor may hold, announced or not."""
-    root = Path(weights_dir)
-    if not root.is_dir():
-        return -1
-    return max((int(m.group(1)) for p in root.iterdir() if (m := _VERSION_DIR.match(p.name))), default=-1)
 
 
 def _json_row(row: dict[str, Any]) -> str:
