@@ -48,6 +48,13 @@ class RunConfig(_Section):
         description="control experiment: permute rewards across the batch before advantages; the model must not learn",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level of every process")
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="experiment trackers that get every metrics.jsonl row as well: tensorboard (event files in "
+        "<run.dir>/tensorboard; the `tensorboard` extra) and wandb (Weights & Biases; the `wandb` extra, "
+        "WANDB_MODE=offline for no network)",
+    )
+    wandb_project: str = Field("grpo-pipeline", description="run.trackers wandb: the W&B project; the run is run.name")
 
 
 class RedisConfig(_Section):
