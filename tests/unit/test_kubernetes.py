@@ -5,6 +5,8 @@ docker-compose.yml runs."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,17 @@ def kustomization() -> dict[str, Any]:
     return yaml.safe_load((K8S / "kustomization.yaml").read_text())
 
 
+def manifests() -> list[str]:
+    """The resources that are files here (the others are directories with a kustomization of their own)."""
+    return [f for f in kustomization()["resources"] if (K8S / f).is_file()]
+
+
 def documents() -> list[dict[str, Any]]:
-    return [d for f in kustomization()["resources"] for d in yaml.safe_load_all((K8S / f).read_text()) if d]
+    return [d for f in manifests() for d in yaml.safe_load_all((K8S / f).read_text()) if d]
+
+
+def pod_specs() -> list[tuple[str, dict[str, Any]]]:
+    return [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in documents() if "template" in d["spec"]]
 
 
 def by_name(kind: str, name: str) -> dict[str, Any]:
@@ -41,8 +52,9 @@ def compose() -> dict[str, Any]:
 
 
 def test_kustomization_lists_every_manifest() -> None:
-    listed = set(kustomization()["resources"])
+    listed = set(manifests())
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization()["resources"]) - listed == {"../../configs"}
 
 
 @pytest.mark.parametrize("doc", documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
@@ -127,3 +139,100 @@ def test_no_command_line_carries_the_redis_password() -> None:
             probe = c.get("readinessProbe", {}).get("exec", {}).get("command", [])
             text = " ".join([*c.get("command", []), *c.get("args", []), *probe])
             assert "PASSWORD" not in text and "--requirepass" not in text, c["name"]
+
+
+CONFIGS = REPO / "configs"
+
+
+def test_the_run_configs_are_a_config_map_the_pods_mount() -> None:
+    # kustomize reads files only at or below a kustomization: configs/ has its own, which this one lists.
+    (generator,) = yaml.safe_load((CONFIGS / "kustomization.yaml").read_text())["configMapGenerator"]
+    assert generator["name"] == "grpo-config"
+    assert set(generator["files"]) == {p.name for p in CONFIGS.glob("*.yaml")} - {"kustomization.yaml"}
+    assert config_map()["GRPO_CONFIG"].startswith("configs/")  # --config /app/$(GRPO_CONFIG)
+    for kind, name in (("StatefulSet", "grpo-learner"), ("Deployment", "grpo-actor")):
+        spec = by_name(kind, name)["spec"]["template"]["spec"]
+        (volume,) = [v["name"] for v in spec["volumes"] if v.get("configMap", {}).get("name") == "grpo-config"]
+        (mount,) = [m for m in container(kind, name)["volumeMounts"] if m["name"] == volume]
+        assert mount["mountPath"] == "/app/configs" and mount["readOnly"] is True
+
+
+def dockerfile_uid(name: str) -> int:
+    users = re.findall(r"^USER\s+(\d+)", (REPO / "docker" / name).read_text(), re.M)
+    return int(users[-1])
+
+
+def test_every_pod_runs_as_a_non_root_user_with_requests() -> None:
+    specs = pod_specs()
+    assert {name for name, _ in specs} == {"grpo-learner", "grpo-actor", "grpo-redis"}
+    for name, spec in specs:
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsUser", 0) != 0 and pod.get("fsGroup") == pod.get("runAsGroup"), name
+        for c in spec["containers"]:
+            context = c["securityContext"]
+            assert context["runAsNonRoot"] is True and context["allowPrivilegeEscalation"] is False, name
+            assert context["capabilities"]["drop"] == ["ALL"], name
+            requests = c["resources"]["requests"]
+            assert requests.get("cpu") and requests.get("memory"), name
+    # The roles' user is the one their images create (it owns the directories the volumes start from).
+    for kind, name, dockerfile in (
+        ("StatefulSet", "grpo-learner", "learner.Dockerfile"),
+        ("Deployment", "grpo-actor", "actor.Dockerfile"),
+    ):
+        assert by_name(kind, name)["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == dockerfile_uid(
+            dockerfile
+        )
+
+
+def test_the_roles_say_why_they_exit() -> None:
+    # Exit 2 (a config error) restarts into CrashLoopBackOff; the pod's status shows its one line.
+    for kind, name in (("StatefulSet", "grpo-learner"), ("Deployment", "grpo-actor")):
+        assert container(kind, name)["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def test_every_stateful_set_has_its_headless_service() -> None:
+    sets = [d for d in documents() if d["kind"] == "StatefulSet"]
+    assert {d["metadata"]["name"] for d in sets} == {"grpo-learner", "grpo-redis"}
+    for s in sets:
+        service = by_name("Service", s["spec"]["serviceName"])
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["selector"].items() <= s["spec"]["template"]["metadata"]["labels"].items()
+
+
+def effective_images() -> list[str]:
+    """Every container's image after kustomization.yaml's `images` replaced names and tags."""
+    replace = {i["name"]: i for i in kustomization().get("images", [])}
+    out = []
+    for _, spec in pod_specs():
+        for c in spec["containers"]:
+            name, _, tag = c["image"].partition(":")
+            if name in replace:
+                tag = str(replace[name].get("newTag", tag))
+                name = replace[name].get("newName", name)
+            out.append(f"{name}:{tag}" if tag else name)
+    return out
+
+
+def test_every_image_has_a_tag_and_none_is_latest() -> None:
+    images = effective_images()
+    assert len(images) == 3
+    for image in images:
+        tag = image.rpartition("/")[2].partition(":")[2]  # a registry's port is before the last /
+        assert tag and tag != "latest", image
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (which builds kustomizations) is not installed")
+def test_kustomize_builds_it() -> None:
+    out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, check=True).stdout
+    built = [d for d in yaml.safe_load_all(out) if d]
+    (config,) = [d for d in built if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("grpo-config-")]
+    assert set(config["data"]) == {p.name for p in CONFIGS.glob("*.yaml")} - {"kustomization.yaml"}
+    assert {d["metadata"].get("namespace") for d in built} == {"grpo"}
+    for d in built:
+        spec = d.get("spec", {}).get("template", {}).get("spec")
+        if spec is None:
+            continue
+        names = {v["configMap"]["name"] for v in spec["volumes"] if "configMap" in v}
+        assert names <= {config["metadata"]["name"]}, names  # the hashed name, so an edit rolls the pods
+        for c in spec["containers"]:
+            assert c["image"].partition(":")[2] not in ("", "latest"), c["image"]
