@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # An actor: grpo-pipeline on SGLang's image, so that `actor.engine=sglang` can launch `python -m sglang.launch_server`
 # next to it. SGLang's images ship CUDA 13 (a recent driver); lmsysorg/sglang:v0.5.19-cu129 is the last CUDA 12 tag.
 # Layers from the least to the most often changed: the dependencies (reinstalled only when pyproject.toml's lists or

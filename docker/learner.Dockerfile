@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # The learner: grpo-pipeline on a CUDA PyTorch image (torch comes from the base; pip keeps it).
 # Layers from the least to the most often changed: the dependencies (reinstalled only when pyproject.toml's lists or
 # docker/constraints.txt change), then the source (an edit reinstalls nothing but the project itself). The run's
