@@ -20,7 +20,6 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from prometheus_client import CollectorRegistry
 
 from actor.engine import Engine, EngineError, make_engine
 from actor.filter import Decision, ZeroStdFilter, filtered_stats
@@ -28,7 +27,7 @@ from actor.nccl import NcclEngine, Receiver, supports_nccl
 from common.config import Config
 from common.generation import Sample
 from common.grpo import overlong_penalty
-from common.metrics import ActorMetrics, MetricsServer, register_endpoint
+from common.metrics import ActorMetrics, MetricsServer, process_registry, register_endpoint
 from common.model_import import prepare_model_path
 from common.models import max_positions
 from common.schemas import Completion, FilteredStats, GroupMessage, SchemaError, WeightsAnnouncement, encode_group
@@ -248,6 +247,7 @@ class Actor:
         which ends it instead."""
         t0 = time.perf_counter()
         while (deadline is not None or not self.stop.is_set()) and blocked():
+            t0 = self._count_wait(t0)
             if deadline is not None and time.monotonic() >= deadline:
                 break
             self.heartbeat()  # waiting is working: the key must not expire
@@ -256,7 +256,14 @@ class Actor:
             woken = self._pubsub.get_message(timeout=0.2) is not None
             if (woken and not until_clear) or self.transport.is_done():
                 break
-        self.metrics.backpressure_seconds.inc(time.perf_counter() - t0)
+        self._count_wait(t0)
+
+    def _count_wait(self, since: float) -> float:
+        """Count the wait as it goes, not once it ends: a learner that stopped reading keeps actors waiting for as
+        long as it is stuck, and ``rate()`` of the counter must show that while it lasts (the stream-full alert)."""
+        now = time.perf_counter()
+        self.metrics.backpressure_seconds.inc(now - since)
+        return now
 
     def next_problems(self) -> list[Problem]:
         positions = self.transport.next_prompts(self.cfg.actor.prompts_per_round)
@@ -451,7 +458,7 @@ def run_actor(cfg: Config) -> int:
     torch.set_num_threads(cfg.actor.torch_threads)
     prepare_model_path(cfg)
     actor_id = cfg.actor.id or f"{socket.gethostname()}-{os.getpid()}"
-    registry = CollectorRegistry()
+    registry = process_registry(cfg.run.name)
     metrics = ActorMetrics(registry)
     transport = Transport(cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc)
     transport.ping()

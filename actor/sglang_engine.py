@@ -33,6 +33,7 @@ from actor.engine import EngineError
 from actor.sglang_server import LaunchedServer
 from common.config import Config
 from common.generation import Sample
+from common.metrics import EngineEvent
 from common.schemas import WeightsAnnouncement
 from common.weight_sync import Round
 from common.weights import WeightsError, WeightsMismatch, confined, mismatch, tensor_specs, verify
@@ -194,7 +195,9 @@ def _stop_ids(model_path: str, tokenizer: Any) -> set[int]:
 
 
 class SGLangEngine:
-    def __init__(self, cfg: Config, seed: int, *, name: str = "", on_event: Callable[[str], None] = lambda _: None):
+    def __init__(
+        self, cfg: Config, seed: int, *, name: str = "", on_event: Callable[[EngineEvent], None] = lambda _: None
+    ):
         from transformers import AutoTokenizer
 
         self.cfg = cfg

@@ -3,6 +3,13 @@
 Each process owns a private :class:`CollectorRegistry` (no module-global default registry, so two roles in one test
 process never collide) and serves ``/metrics`` (Prometheus text format) and ``/healthz`` (JSON; 200 when healthy,
 503 otherwise) on ``metrics.host:metrics.port``. Names start with ``grpo_`` and carry their unit.
+
+A role's registry comes from :func:`process_registry`: besides the role's own metrics it holds the process's memory,
+CPU and start time (``process_*``, ``python_info``) and ``grpo_build_info{version,run}``, the series dashboards and
+alert rules join on to select a run. Counters are exported without ``_created`` twins (one series per counter, not
+two). Every labelled counter is exported at 0 for each label value the code can produce before the first event, so
+that ``rate()`` and ``increase()`` see the first event as an increase rather than as a new series; those values are
+the ``Literal`` types below, which the code that produces them is typed with (mypy keeps the two in step).
 """
 
 from __future__ import annotations
@@ -13,15 +20,74 @@ import os
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger(__name__)
 
+# Every process imports this module before it creates a metric: the setting holds for all of them. A `_created`
+# series per counter doubles what Prometheus stores and no dashboard or rule here reads it.
+disable_created_metrics()
+
+DISTRIBUTION = "grpo-pipeline"  # pyproject.toml's name: grpo_build_info's version is this distribution's
+
+# The label values each labelled counter can take: the producers are typed with these (see the module docstring).
+DropReason = Literal["group_size", "lineage", "future", "stale", "duplicate", "nonfinite"]
+FilterReason = Literal["zero_std"]
+GraderErrorKind = Literal["timeout", "exception", "invalid", "crash"]
+WeightLoadFailure = Literal["unreadable", "mismatch", "path"]
+BroadcastFallback = Literal["no_members", "not_ready", "join", "broadcast", "error"]
+EngineEvent = Literal["cache_flush_retry", "version_from_reply"]
+AlarmKind = Literal["clip_ratio", "zero_std"]
+
+# Two bucket sets. Steps, generation rounds and grading take milliseconds to a minute. Moving whole weights does not:
+# a 70B-parameter model is 140 GB in bf16 and its checkpoint (optimizer state included) about four times that; at
+# the few hundred MB/s of a shared filesystem, writing, verifying or loading them takes minutes to half an hour.
+# With the fast set those would all land in +Inf and every quantile above 60 s would read as 60 s.
 _FAST = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_SLOW = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 2700, 3600)
+
+
+def build_version() -> str:
+    """The installed distribution's version ("unknown" when run from a tree that was never installed)."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def process_registry(run: str) -> CollectorRegistry:
+    """A role's registry: the process's own metrics (memory, CPU, open files, start time; the Python version) and
+    ``grpo_build_info{version,run}`` = 1. ``run``: ``run.name``, the label the dashboard's run variable lists."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)  # reads /proc: absent (no samples) where there is none
+    PlatformCollector(registry=registry)
+    info = Gauge("grpo_build_info", "1, labelled with the build's version and the run's name", ["version", "run"],
+                 registry=registry)  # fmt: skip
+    info.labels(build_version(), run).set(1)
+    return registry
+
+
+_Labelled = TypeVar("_Labelled", Counter, Gauge)
+
+
+def _at_zero(metric: _Labelled, values: Any) -> _Labelled:
+    """Export ``metric`` at 0 for each label value of a ``Literal`` type (``values``) before its first event."""
+    for value in get_args(values):
+        metric.labels(value)
+    return metric
 
 
 class RedisMetrics:
@@ -52,7 +118,9 @@ class LearnerMetrics(RedisMetrics):
         self.tokens_per_s = Gauge("grpo_learner_tokens_per_second", "completion tokens trained per second", registry=r)
         self.step_seconds = Histogram("grpo_learner_step_seconds", "wall time of one step", buckets=_FAST, registry=r)
         self.groups_consumed = Counter("grpo_learner_groups_consumed", "groups trained on", registry=r)
-        self.groups_dropped = Counter("grpo_learner_groups_dropped", "groups refused", ["reason"], registry=r)
+        self.groups_dropped = _at_zero(
+            Counter("grpo_learner_groups_dropped", "groups refused", ["reason"], registry=r), DropReason
+        )
         self.groups_dead = Counter("grpo_learner_groups_dead", "messages dead-lettered", registry=r)
         self.updates_skipped = Counter(
             "grpo_learner_updates_skipped_nonfinite",
@@ -60,7 +128,7 @@ class LearnerMetrics(RedisMetrics):
             registry=r,
         )
         self.publish_seconds = Histogram(
-            "grpo_learner_weight_publish_seconds", "time to write and announce weights", buckets=_FAST, registry=r
+            "grpo_learner_weight_publish_seconds", "time to write and announce weights", buckets=_SLOW, registry=r
         )
         self.publish_bytes = Gauge(
             "grpo_learner_weight_publish_bytes", "size of the last published weights", registry=r
@@ -68,15 +136,18 @@ class LearnerMetrics(RedisMetrics):
         self.broadcast_seconds = Histogram(
             "grpo_learner_weight_broadcast_seconds",
             "weights.transport nccl: time from a round's start to its last bucket sent",
-            buckets=_FAST,
+            buckets=_SLOW,
             registry=r,
         )
-        self.broadcast_fallbacks = Counter(
-            "grpo_learner_weight_broadcast_fallbacks",
-            "versions written to disk because a broadcast could not happen (no_members, not_ready, join, broadcast, "
-            "error)",
-            ["reason"],
-            registry=r,
+        self.broadcast_fallbacks = _at_zero(
+            Counter(
+                "grpo_learner_weight_broadcast_fallbacks",
+                "versions written to disk because a broadcast could not happen (no_members, not_ready, join, "
+                "broadcast, error)",
+                ["reason"],
+                registry=r,
+            ),
+            BroadcastFallback,
         )
         self.broadcast_superseded = Counter(
             "grpo_learner_weight_broadcast_superseded",
@@ -84,7 +155,7 @@ class LearnerMetrics(RedisMetrics):
             registry=r,
         )
         self.checkpoint_seconds = Histogram(
-            "grpo_learner_checkpoint_seconds", "time to write a checkpoint and acknowledge its groups", buckets=_FAST,
+            "grpo_learner_checkpoint_seconds", "time to write a checkpoint and acknowledge its groups", buckets=_SLOW,
             registry=r,
         )  # fmt: skip
         self.stream_groups = Gauge(
@@ -92,11 +163,20 @@ class LearnerMetrics(RedisMetrics):
         )
         self.checkpoint_step = Gauge("grpo_learner_checkpoint_step", "step of the newest checkpoint", registry=r)
         self.eval_accuracy = Gauge("grpo_learner_eval_accuracy", "greedy accuracy on held-out prompts", registry=r)
-        self.alarm = Gauge(
-            "grpo_learner_alarm", "1 while an alarm (clip_ratio, zero_std) is raised", ["kind"], registry=r
+        self.alarm = _at_zero(
+            Gauge("grpo_learner_alarm", "1 while an alarm (clip_ratio, zero_std) is raised", ["kind"], registry=r),
+            AlarmKind,
         )
         self.reference_loaded = Gauge(
             "grpo_learner_reference_model_loaded", "1 when a frozen reference model is in memory (beta > 0)", registry=r
+        )
+        # What the alert rules read (deploy/prometheus/alerts.yml): run_steps is set once, from the config.
+        self.run_steps = Gauge("grpo_learner_run_steps", "run.steps: the step at which the learner ends", registry=r)
+        self.unexplained = Gauge(
+            "grpo_learner_accounting_unexplained_groups",
+            "groups produced less trained, dropped, dead and in the stream (DESIGN's accounting equation): 0 unless "
+            "groups were lost",
+            registry=r,
         )
 
 
@@ -105,8 +185,8 @@ class ActorMetrics(RedisMetrics):
         super().__init__(registry)
         r = registry
         self.groups_produced = Counter("grpo_actor_groups_produced", "groups sent to the stream", registry=r)
-        self.groups_filtered = Counter(
-            "grpo_actor_groups_filtered", "groups sampled and not sent", ["reason"], registry=r
+        self.groups_filtered = _at_zero(
+            Counter("grpo_actor_groups_filtered", "groups sampled and not sent", ["reason"], registry=r), FilterReason
         )
         self.groups_forwarded = Counter(
             "grpo_actor_groups_forwarded_zero_std", "zero-std groups sent because resampling hit its limit", registry=r
@@ -123,21 +203,25 @@ class ActorMetrics(RedisMetrics):
         self.grader_seconds = Histogram(
             "grpo_actor_grader_seconds", "grading time per round", buckets=_FAST, registry=r
         )
-        self.grader_errors = Counter(
-            "grpo_actor_grader_errors", "answers that crashed or timed out the grader", ["kind"], registry=r
+        self.grader_errors = _at_zero(
+            Counter("grpo_actor_grader_errors", "answers that crashed or timed out the grader", ["kind"], registry=r),
+            GraderErrorKind,
         )
         self.weight_load_seconds = Histogram(
             "grpo_actor_weight_load_seconds",
             "time to verify and load new weights (transport: disk or nccl)",
             ["transport"],
-            buckets=_FAST,
+            buckets=_SLOW,
             registry=r,
         )
-        self.weight_load_failures = Counter(
-            "grpo_actor_weight_load_failures",
-            "announced versions not loaded, the engine's weights kept (reason: unreadable, mismatch, path)",
-            ["reason"],
-            registry=r,
+        self.weight_load_failures = _at_zero(
+            Counter(
+                "grpo_actor_weight_load_failures",
+                "announced versions not loaded, the engine's weights kept (reason: unreadable, mismatch, path)",
+                ["reason"],
+                registry=r,
+            ),
+            WeightLoadFailure,
         )
         self.weights_malformed = Counter(
             "grpo_actor_weight_announcements_malformed",
@@ -148,12 +232,15 @@ class ActorMetrics(RedisMetrics):
         self.backpressure_seconds = Counter(
             "grpo_actor_backpressure_wait_seconds", "time spent waiting for the learner to catch up", registry=r
         )
-        self.engine_events = Counter(
-            "grpo_actor_engine_events",
-            "engine replies survived (sglang: cache_flush_retry, a weights load whose cache flush had to be asked "
-            "again; version_from_reply, /generate reporting another weight_version than /model_info)",
-            ["kind"],
-            registry=r,
+        self.engine_events = _at_zero(
+            Counter(
+                "grpo_actor_engine_events",
+                "engine replies survived (sglang: cache_flush_retry, a weights load whose cache flush had to be "
+                "asked again; version_from_reply, /generate reporting another weight_version than /model_info)",
+                ["kind"],
+                registry=r,
+            ),
+            EngineEvent,
         )
 
 

@@ -53,6 +53,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from common.config import Config, RedisConfig
+from common.metrics import DropReason
 from common.schemas import FilteredStats, WeightsAnnouncement, as_text
 
 log = logging.getLogger(__name__)
@@ -714,7 +715,7 @@ class Transport:
         scores = self._do(lambda: self.client.zmscore(self.keys.trained_ids, group_ids))
         return [s is not None for s in scores]
 
-    def drop(self, ids: list[str], reason: str) -> None:
+    def drop(self, ids: list[str], reason: DropReason) -> None:
         """Groups the learner refuses (e.g. too stale): XACK + XDEL + groups_dropped:<reason>, atomically."""
         self._settle(ids, f"groups_dropped:{reason}")
 

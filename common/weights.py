@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import xxhash
 
+from common.metrics import WeightLoadFailure
 from common.schemas import DIGEST_HEX_LENGTHS, WeightsAnnouncement
 from common.storage import fsync_dir, fsync_tree
 
@@ -52,7 +53,8 @@ _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 class WeightsError(RuntimeError):
     """A published version is missing, incomplete, or does not match its digest."""
 
-    reason = "unreadable"  # the label it is counted under (grpo_actor_weight_load_failures_total{reason})
+    # The label it is counted under (grpo_actor_weight_load_failures_total{reason}).
+    reason: WeightLoadFailure = "unreadable"
 
 
 class WeightsMismatch(WeightsError):

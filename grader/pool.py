@@ -29,6 +29,7 @@ import msgpack
 
 from common.config import ConfigError, GraderConfig
 from common.generation import completion_text
+from common.metrics import GraderErrorKind
 from common.procs import die_with_parent, stop_process
 from grader import build_grader
 from grader.protocol import HEADER as _HEADER
@@ -145,6 +146,7 @@ class GraderPool:
             self._worker = _Worker(self.name)
         worker = self._worker
         i = start
+        kind: GraderErrorKind
         try:
             worker.send([[c, r] for c, r in pairs[start:]])
             while i < len(pairs):

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
+
+if TYPE_CHECKING:  # the error kinds' one list, also the label values of grpo_actor_grader_errors_total
+    from common.metrics import GraderErrorKind
 
 HEADER = struct.Struct(">I")
 
@@ -39,7 +42,7 @@ def check_score(value: Any) -> float:
     return float(value)
 
 
-def score_one(fn: Any, completion: str, reference: str) -> tuple[float, str | None]:
+def score_one(fn: Any, completion: str, reference: str) -> tuple[float, GraderErrorKind | None]:
     """(score, None), or (0.0, error kind) when the grader raises or returns a non-reward."""
     try:
         value = fn(completion, reference)

@@ -19,12 +19,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from common.config import Config
-from common.metrics import LearnerMetrics
+from common.metrics import BroadcastFallback, LearnerMetrics
 from common.redis_server import free_port
 from common.transport import Transport
 from common.weight_sync import (
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 class RoundFailed(Exception):
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: BroadcastFallback | Literal["closing"], message: str):
         super().__init__(message)
         self.reason = reason
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.metrics import DropReason
+
 
 @dataclass(frozen=True)
 class Epoch:
@@ -53,7 +55,7 @@ class Lineage:
         """The version the current epoch gives the weights of ``step`` (a step of its lineage)."""
         return self.current.version + step - self.current.step
 
-    def age(self, version: int, epoch: int | None, step: int) -> tuple[str | None, int]:
+    def age(self, version: int, epoch: int | None, step: int) -> tuple[DropReason | None, int]:
         """How many learner steps the weights ``version`` are behind ``step`` (the current one): ``(None, age)``, or
         why no age can be given: ``("future", 0)`` for weights this lineage has not reached (a newer learner's),
         ``("lineage", 0)`` for a dead branch's. ``epoch``: the group's

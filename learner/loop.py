@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from common.config import Config, ConfigError, write_resolved
 from common.evaluation import correctness, score_problems, summarise
 from common.generation import generate, pad_token_id, stop_token_ids
-from common.metrics import LearnerMetrics, MetricsServer, register_endpoint
+from common.metrics import DropReason, LearnerMetrics, MetricsServer, process_registry, register_endpoint
 from common.model_import import prepare_model_path
 from common.models import load_pretrained
 from common.schemas import FilteredStats, GroupMessage, SchemaError, WeightsAnnouncement, decode_group, encode_group
@@ -394,7 +394,7 @@ class Learner:
                     continue
             self._dead_on_arrival(got.dead)
             entries = list(got)
-            drops: dict[str, list[str]] = {}
+            drops: dict[DropReason, list[str]] = {}
             decoded = [(entry, msg) for entry in entries if (msg := self.decode(entry)) is not None]
             trained = self.transport.trained_before([msg.group_id for _, msg in decoded])
             for (entry, msg), seen in zip(decoded, trained, strict=True):
@@ -470,7 +470,7 @@ class Learner:
         if longest is not None and len(msg.prompt_ids) + int(c.lengths.max()) > longest:
             raise SchemaError(f"{len(msg.prompt_ids) + int(c.lengths.max())} tokens exceed the model's {longest}")
 
-    def refusal(self, msg: GroupMessage) -> str | None:
+    def refusal(self, msg: GroupMessage) -> DropReason | None:
         """Why a valid group cannot be trained on now, or None."""
         if len(msg.completions) != self.cfg.actor.group_size:
             return "group_size"
@@ -610,6 +610,7 @@ class Learner:
         b = read_balance(self.transport)
         self.metrics.stream_groups.labels("unread").set(b.unread)
         self.metrics.stream_groups.labels("pending").set(b.pending)
+        self.metrics.unexplained.set(b.unexplained)
         return {"stream/unread": b.unread, "stream/pending": b.pending}
 
     def describe(self, stats: dict[str, float]) -> dict[str, Any]:
@@ -752,8 +753,9 @@ def _follow(cfg: Config, ranks: Ranks) -> int:
 
 
 def _lead(cfg: Config, ranks: Ranks | None) -> int:
-    registry = CollectorRegistry()
+    registry = process_registry(cfg.run.name)
     metrics = LearnerMetrics(registry)
+    metrics.run_steps.set(cfg.run.steps)
     transport = Transport(cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc)
     transport.ping()
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)

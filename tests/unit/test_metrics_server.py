@@ -1,16 +1,38 @@
-"""common.metrics: a private registry per process behind /metrics and /healthz, and endpoint files."""
+"""common.metrics: a private registry per process behind /metrics and /healthz, and endpoint files; what a fresh
+process exports (process metrics, build info, labelled counters at 0, no `_created` series); histogram buckets."""
 
 from __future__ import annotations
 
 import json
+import re
+import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, get_args
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from common.metrics import ActorMetrics, LearnerMetrics, MetricsServer, gather_endpoints, register_endpoint
+from actor.loop import Actor
+from common.metrics import (
+    ActorMetrics,
+    AlarmKind,
+    BroadcastFallback,
+    DropReason,
+    EngineEvent,
+    FilterReason,
+    GraderErrorKind,
+    LearnerMetrics,
+    MetricsServer,
+    WeightLoadFailure,
+    build_version,
+    gather_endpoints,
+    register_endpoint,
+)
+from common.procs import wait_until
 
 
 def test_metrics_and_health_over_http() -> None:
@@ -58,3 +80,92 @@ def test_every_metric_is_documented_in_the_readme() -> None:
         for family in registry.collect():
             name = family.name + ("_total" if family.type == "counter" else "")
             assert f"`{name}" in readme, f"{name} is not in the README's list of metrics"
+
+
+# A process that only builds a role's registry, as `grpo learner` and `grpo actor` do, and serves it.
+SERVE = """
+import sys, threading
+from common.metrics import ActorMetrics, LearnerMetrics, MetricsServer, process_registry, register_endpoint
+role, run_dir = sys.argv[1], sys.argv[2]
+registry = process_registry("run-a")
+(LearnerMetrics if role == "learner" else ActorMetrics)(registry)
+server = MetricsServer(registry, "127.0.0.1", 0)
+register_endpoint(run_dir, role, role, server.url)
+threading.Event().wait()
+"""
+
+# Every labelled counter (and the learner's alarm gauge) with the label values the code can produce.
+LABELLED = {
+    "learner": {
+        "grpo_learner_groups_dropped_total": ("reason", DropReason),
+        "grpo_learner_weight_broadcast_fallbacks_total": ("reason", BroadcastFallback),
+        "grpo_learner_alarm": ("kind", AlarmKind),
+    },
+    "actor": {
+        "grpo_actor_groups_filtered_total": ("reason", FilterReason),
+        "grpo_actor_grader_errors_total": ("kind", GraderErrorKind),
+        "grpo_actor_weight_load_failures_total": ("reason", WeightLoadFailure),
+        "grpo_actor_engine_events_total": ("kind", EngineEvent),
+    },
+}
+
+
+def fresh_scrape(role: str, tmp_path: Path, processes: Any) -> str:
+    """/metrics of a process that has counted nothing yet."""
+    run_dir = tmp_path / role
+    processes.start([sys.executable, "-c", SERVE, role, str(run_dir)], tmp_path / f"{role}.log")
+    assert wait_until(lambda: bool(gather_endpoints(run_dir)), 30), (tmp_path / f"{role}.log").read_text()
+    url = gather_endpoints(run_dir)[0]["metrics_url"]
+    return str(urllib.request.urlopen(url, timeout=5).read().decode())
+
+
+@pytest.mark.parametrize("role", ["learner", "actor"])
+def test_a_fresh_process_exports_process_metrics_build_info_and_every_label_at_zero(
+    role: str, tmp_path: Path, processes: Any
+) -> None:
+    body = fresh_scrape(role, tmp_path, processes)
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_start_time_seconds"):
+        assert re.search(rf"^{name} [0-9.e+]+$", body, re.M), f"{name} missing"
+    assert "python_info{" in body
+    assert f'grpo_build_info{{run="run-a",version="{build_version()}"}} 1.0' in body
+    assert build_version() != "unknown"  # the distribution is installed: its version is known
+    assert "_created" not in body  # one series per counter, in every process
+    for name, (label, values) in LABELLED[role].items():
+        for value in get_args(values):
+            assert f'{name}{{{label}="{value}"}} 0.0' in body, f"{name}{{{label}={value!r}}} is not at 0"
+
+
+def test_slow_histograms_resolve_half_an_hour_and_fast_ones_milliseconds() -> None:
+    registry = CollectorRegistry()
+    learner, actor = LearnerMetrics(registry), ActorMetrics(CollectorRegistry())
+    slow = [learner.checkpoint_seconds, learner.publish_seconds, learner.broadcast_seconds,
+            actor.weight_load_seconds.labels("disk")]  # fmt: skip
+    for histogram in slow:
+        bounds = [b for b in histogram._upper_bounds if b != float("inf")]  # type: ignore[attr-defined]
+        assert max(bounds) >= 1800 and {600, 1200, 1800} <= set(bounds), histogram
+    fast = [learner.step_seconds, actor.generation_seconds, actor.grader_seconds]
+    for histogram in fast:
+        assert min(histogram._upper_bounds) <= 0.001  # type: ignore[attr-defined]
+    # A 25-minute checkpoint lands below 30 minutes, not in +Inf.
+    learner.checkpoint_seconds.observe(25 * 60)
+    text = "\n".join(f"{s.name}{s.labels} {s.value}" for m in registry.collect() for s in m.samples)
+    assert "grpo_learner_checkpoint_seconds_bucket{'le': '1800.0'} 1.0" in text
+    assert "grpo_learner_checkpoint_seconds_bucket{'le': '1200.0'} 0.0" in text
+
+
+def test_a_long_backpressure_wait_is_counted_while_it_lasts() -> None:
+    """The stream-full alert reads rate() of the wait counter: a wait that has not ended yet must already count."""
+    metrics = ActorMetrics(CollectorRegistry())
+    actor = Actor.__new__(Actor)
+    pubsub = SimpleNamespace(get_message=lambda timeout: time.sleep(0.05))
+    never = SimpleNamespace(is_set=lambda: False, is_done=lambda: False)  # no stop request, the run goes on
+    actor.__dict__.update(stop=never, transport=never, heartbeat=lambda: None, receiver=None, _pubsub=pubsub,
+                          metrics=metrics)  # fmt: skip
+    seen: list[float] = []
+
+    def blocked() -> bool:  # still waiting: what has the counter said so far?
+        seen.append(metrics.backpressure_seconds._value.get())
+        return len(seen) < 4
+
+    actor._wait(blocked)
+    assert seen[0] == 0 and seen[3] >= 0.1  # counted during the wait, before it ended
