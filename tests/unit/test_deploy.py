@@ -11,10 +11,9 @@ from types import ModuleType
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry
 
 from common.config import load_config
-from common.metrics import ActorMetrics, LearnerMetrics
+from common.metrics import ActorMetrics, LearnerMetrics, process_registry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,7 +96,7 @@ def test_prometheus_finds_the_learner_and_every_actor_replica() -> None:
 def metric_names() -> set[str]:
     names = set()
     for cls in (LearnerMetrics, ActorMetrics):
-        registry = CollectorRegistry()
+        registry = process_registry("default")  # grpo_build_info included: the dashboard joins on it
         cls(registry)
         for family in registry.collect():  # labelled metrics have no samples until used: names from the type
             suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])
