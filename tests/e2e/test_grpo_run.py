@@ -147,7 +147,7 @@ def test_the_private_redis_wants_the_runs_password(demo_model_dir: Path, tmp_pat
     for pid in [e["pid"] for e in endpoints] + [redis_pid(log.read_text())]:
         assert password not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     assert password not in (run_dir / "config.json").read_text()
-    # The operator's commands, as the README shows them: the run's config.json and the password from its file.
+    # The operator's commands, as docs/operations.md shows them: the run's config.json and the password from its file.
     env = {"GRPO_REDIS_PASSWORD": password}
     for command in (["status"], ["dead"]):
         out = tmp_path / f"{command[0]}.log"
