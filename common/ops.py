@@ -4,29 +4,105 @@
 ``grpo dead``: list the dead-letter stream, show one entry's payload, or replay entries into the groups stream.
 
 Both take the same ``--config FILE`` and ``-o key=value`` as the roles, so ``redis.*`` and ``run.name`` (or
-``GRPO_REDIS_URL`` / ``GRPO_RUN_NAME``) pick the run.
+``GRPO_REDIS_URL`` / ``GRPO_RUN_NAME``) pick the run. Unlike the roles they fail fast: a query connects once, with a
+short timeout, and an unreachable Redis or a run name Redis has never seen is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
-from common.cli import role_parser
-from common.config import Config, load_config
+import redis
+
+from common.cli import EXIT_USAGE, role_parser
+from common.config import Config, load_config, mask_url
 from common.schemas import SchemaError, WeightsAnnouncement, as_text, decode_group
-from common.transport import Transport, read_balance
+from common.transport import Transport, TransportError, read_balance
+
+T = TypeVar("T")
+
+# A query waits this long at most for a connection or a reply. Services retry with backoff (redis.retries) because
+# they must outlive a Redis restart; an operator asking a question wants the answer, or the reason there is none, now.
+QUERY_TIMEOUT_S = 3.0
+_KNOWN_RUNS_SHOWN = 10
+_SCAN_CALLS = 50  # at most this many SCAN calls (of 1000 keys) to name the runs Redis knows: a hint, not an inventory
 
 
-def _transport(args: object) -> Transport:
-    cfg = load_config(args.config, args.override)  # type: ignore[attr-defined]
-    t = Transport(cfg.redis, cfg.run.name)
-    t.ping()
+def query_transport(cfg: Config) -> Transport:
+    """A connection for one question: no reconnect attempts, a short timeout, and its one failure reported as the
+    one line (the transport's ``attempt i/n`` warnings belong to services that retry)."""
+    logging.getLogger("common.transport").setLevel(logging.ERROR)
+    timeout = min(cfg.redis.socket_timeout_s, QUERY_TIMEOUT_S)
+    t = Transport(cfg.redis.model_copy(update={"retries": 0, "socket_timeout_s": timeout}), cfg.run.name)
+    try:
+        t.ping()  # TransportError: "redis at <masked url> is unreachable: ...", exit 2
+    except BaseException:
+        t.close()
+        raise
     return t
+
+
+def asking(t: Transport, fn: Callable[[], T]) -> T:
+    """``fn()``, with a connection lost mid-question said like one that was never there (no retries here)."""
+    try:
+        return fn()
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise TransportError(f"redis at {t.safe_url} is unreachable: {e}") from None
+
+
+def run_exists(t: Transport) -> bool:
+    """Whether Redis holds any key of this run: its identity (a learner started), counters or stream (an actor
+    sent groups), dead letters, an announcement or the done mark. One EXISTS: the keys share one slot."""
+    k = t.keys
+    keys = (k.identity, k.stats, k.groups, k.dead, k.weights_latest, k.done, k.filtered)
+    return bool(t._do(lambda: t.client.exists(*keys)))
+
+
+def known_runs(t: Transport) -> list[str] | None:
+    """Run names with keys in this Redis (sorted; a bounded SCAN), or None when this user may not list keys."""
+    names: set[str] = set()
+    cursor = 0
+    try:
+        for _ in range(_SCAN_CALLS):
+            cursor, found = t.client.scan(cursor, match="grpo:{*}:*", count=1000)
+            names.update(m.group(1) for key in found if (m := re.match(r"grpo:\{(.*?)\}:", as_text(key))))
+            if cursor == 0:
+                break
+    except redis.ResponseError:  # an ACL user limited to its run's keys may not SCAN: the hint is left out
+        return None
+    return sorted(names)
+
+
+def unknown_run_line(prog: str, cfg: Config, t: Transport) -> str:
+    """The one line for a run name Redis has never seen: a mistaken ``run.name`` (or the wrong Redis)."""
+    runs = known_runs(t)
+    if runs is None:
+        hint = ""
+    elif not runs:
+        hint = " (it holds no run at all)"
+    else:
+        more = f", and {len(runs) - _KNOWN_RUNS_SHOWN} more" if len(runs) > _KNOWN_RUNS_SHOWN else ""
+        hint = f" (runs it knows: {', '.join(runs[:_KNOWN_RUNS_SHOWN])}{more})"
+    return (f"{prog}: Redis at {mask_url(cfg.redis.url)} has no run named {cfg.run.name!r}{hint}; "
+            f"set run.name (-o run.name=NAME or GRPO_RUN_NAME)")  # fmt: skip
+
+
+def counts(d: Mapping[str, int]) -> str:
+    """``{'stale': 41, 'nonfinite': 2}`` → ``43 (stale 41, nonfinite 2)``; ``{}`` → ``0``: counts by reason in words."""
+    total = sum(d.values())
+    return f"{total} ({', '.join(f'{k} {v}' for k, v in sorted(d.items()))})" if d else "0"
+
+
+def _yes(flag: object) -> str:
+    return "yes" if flag else "no"
 
 
 def status_main(argv: Sequence[str]) -> int:
@@ -34,47 +110,69 @@ def status_main(argv: Sequence[str]) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     args = p.parse_args(list(argv))
     cfg = load_config(args.config, args.override)
-    t = _transport(args)
+    t = query_transport(cfg)
     try:
-        b = read_balance(t)
-        lost = lost_state(cfg, t, b.trained)
-        ann, weights_problem = _announced(t)
-        actors = t.live_actors()
-        versions = {k: v.get("version") for k, v in sorted(actors.items())}
-        report: dict[str, object] = {
-            "run": t.keys.prefix,
-            # Balanced counts in a Redis that lost the run's state are not the run's accounting: never "balanced".
-            "equation": b.equation().replace("(balanced)", "(balanced since the loss)" if lost else "(balanced)"),
-            "produced": b.produced,
-            "trained": b.trained,
-            "dropped": b.dropped,
-            "dead": b.dead,
-            "pending": b.pending,
-            "unread": b.unread,
-            "filtered": b.filtered,
-            "discarded": b.discarded,
-            "unexplained": b.unexplained,
-            "lost": lost,  # what Redis no longer holds of the run (empty: the counts are the whole run's)
-            "published_version": None if ann is None else ann.version,
-            "weights_malformed": weights_problem,
-            "done": t.is_done(),
-            "actors": versions,
-        }
+        report = asking(t, lambda: _report(cfg, t))
+        if report is None:
+            print(asking(t, lambda: unknown_run_line("grpo status", cfg, t)), file=sys.stderr)
+            return EXIT_USAGE
     finally:
         t.close()
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"run {report['run']}  published version {report['published_version']}  done {report['done']}")
-        if weights_problem:
-            print(f"weights:latest is malformed, actors ignore it until the learner's next announcement: "
-                  f"{weights_problem}")  # fmt: skip
-        print(report["equation"])
-        for line in lost:
-            print(f"NOT WHOLE: {line}")
-        print(f"dropped {b.dropped}  filtered {b.filtered}  discarded {b.discarded}")
-        print(f"{len(actors)} live actors: " + ", ".join(f"{k} (v{v})" for k, v in versions.items()))
-    return 0 if b.unexplained == 0 and not lost else 1
+        print_status(cfg.run.name, report)
+    return 0 if report["unexplained"] == 0 and not report["lost"] else 1
+
+
+def _report(cfg: Config, t: Transport) -> dict[str, Any] | None:
+    """What ``grpo status`` reports, or None for a run Redis has never seen (and no checkpoint here shows)."""
+    b = read_balance(t)
+    lost = lost_state(cfg, t, b.trained)
+    if not lost and not run_exists(t):
+        return None
+    ann, weights_problem = _announced(t)
+    actors = t.live_actors()
+    return {
+        "run": t.keys.prefix,
+        # Balanced counts in a Redis that lost the run's state are not the run's accounting: never "balanced".
+        "equation": b.equation().replace("(balanced)", "(balanced since the loss)" if lost else "(balanced)"),
+        "produced": b.produced,
+        "trained": b.trained,
+        "dropped": b.dropped,
+        "dead": b.dead,
+        "pending": b.pending,
+        "unread": b.unread,
+        "filtered": b.filtered,
+        "discarded": b.discarded,
+        "unexplained": b.unexplained,
+        "lost": lost,  # what Redis no longer holds of the run (empty: the counts are the whole run's)
+        "published_version": None if ann is None else ann.version,
+        "weights_malformed": weights_problem,
+        "done": t.is_done(),
+        "actors": {k: v.get("version") for k, v in sorted(actors.items())},
+    }
+
+
+def print_status(name: str, r: Mapping[str, Any]) -> None:
+    """The report as lines of words (``--json`` keeps the dicts)."""
+    version = r["published_version"]
+    published = "none yet" if version is None else str(version)
+    print(f"run {name} (keys {r['run']}*)  published version {published}  learner finished: {_yes(r['done'])}")
+    if r["weights_malformed"]:
+        print(f"weights:latest is malformed, actors ignore it until the learner's next announcement: "
+              f"{r['weights_malformed']}")  # fmt: skip
+    print(r["equation"])
+    for line in r["lost"]:
+        print(f"NOT WHOLE: {line}")
+    print(f"dropped {counts(r['dropped'])}  filtered by actors {counts(r['filtered'])}  "
+          f"discarded {counts(r['discarded'])}")  # fmt: skip
+    actors: Mapping[str, int | None] = r["actors"]
+    if not actors:
+        print("no live actors")
+        return
+    each = ", ".join(f"{k} ({'no weights yet' if v is None or v == -1 else f'v{v}'})" for k, v in actors.items())
+    print(f"{len(actors)} live actor{'s' if len(actors) != 1 else ''}: {each}")
 
 
 def lost_state(cfg: Config, t: Transport, trained: int) -> list[str]:
@@ -142,22 +240,30 @@ def dead_main(argv: Sequence[str]) -> int:
         "model); 'all' replays every entry",
     )
     args = p.parse_args(list(argv))
-    t = _transport(args)
+    cfg = load_config(args.config, args.override)
+    t = query_transport(cfg)
     try:
-        if args.replay:
-            return _replay(t, args.replay)
-        if args.show:
-            return _show(t, args.show)
-        entries = t.dead_letters(args.limit, args.start)
-        total = t._do(lambda: t.client.xlen(t.keys.dead))
-        print(f"{total} dead letters in {t.keys.dead}; groups_dead = {t.stats().get('groups_dead', 0)}")
-        for e in entries:
-            at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(as_text(e.fields.get(b"at", b"0")))))
-            size = int(e.fields.get(b"size") or len(e.fields.get(b"payload", b"")))  # the message's, not the prefix's
-            print(f"{e.id}  {at}  {size:>8} B  {as_text(e.fields.get(b'reason', b''))}")
-        return 0
+        if not asking(t, lambda: run_exists(t)):
+            print(asking(t, lambda: unknown_run_line("grpo dead", cfg, t)), file=sys.stderr)
+            return EXIT_USAGE
+        return asking(t, lambda: _dead(t, args))
     finally:
         t.close()
+
+
+def _dead(t: Transport, args: argparse.Namespace) -> int:
+    if args.replay:
+        return _replay(t, args.replay)
+    if args.show:
+        return _show(t, args.show)
+    entries = t.dead_letters(args.limit, args.start)
+    total = t._do(lambda: t.client.xlen(t.keys.dead))
+    print(f"{total} dead letters in {t.keys.dead}; groups_dead = {t.stats().get('groups_dead', 0)}")
+    for e in entries:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(as_text(e.fields.get(b"at", b"0")))))
+        size = int(e.fields.get(b"size") or len(e.fields.get(b"payload", b"")))  # the message's, not the prefix's
+        print(f"{e.id}  {at}  {size:>8} B  {as_text(e.fields.get(b'reason', b''))}")
+    return 0
 
 
 def _show(t: Transport, entry_id: str) -> int:

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 
 import pytest
 
 from common.config import RedisConfig
+from common.redis_server import free_port
 from common.transport import Transport, read_balance
 from tests.unit.test_schemas import make_group
 
 pytestmark = pytest.mark.integration
 
 
-def grpo(url: str, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "common.cli", *args, "-o", f"redis.url={url}", "-o", "run.name=ops"]
+def grpo(url: str, *args: str, run: str = "ops") -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "common.cli", *args, "-o", f"redis.url={url}", "-o", f"run.name={run}"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -47,10 +52,72 @@ def test_read_and_replay_dead_letters(redis_url: str) -> None:
     assert grpo(redis_url, "dead", "--replay", dead_ids[1]).returncode == 1  # gone: nothing replayed twice
 
     t.client.hincrby(t.keys.stats, "groups_discarded:stopped", 4)  # as an actor stopped with no room counts it
+    t.client.hincrby(t.keys.stats, "groups_filtered:zero_std", 5)
+    t.client.hincrby(t.keys.stats, "groups_produced", 1)  # and one the learner dropped as too stale: still balanced
+    t.client.hincrby(t.keys.stats, "groups_dropped:stale", 1)
+    t.heartbeat("actor-1", 30, {"version": 3})
     status = grpo(redis_url, "status", "--json")
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["unexplained"] == 0 and report["dead"] == 2 and report["pending"] == 1
-    assert report["discarded"] == {"stopped": 4}
-    assert "discarded {'stopped': 4}" in grpo(redis_url, "status").stdout
+    assert report["discarded"] == {"stopped": 4} and report["dropped"] == {"stale": 1}  # --json keeps the dicts
+    assert report["published_version"] is None and report["done"] is False
+
+    # In lines, every figure is in words: no Python reprs of dicts, None or booleans.
+    text = grpo(redis_url, "status")
+    assert text.returncode == 0, text.stderr
+    assert "dropped 1 (stale 1)  filtered by actors 5 (zero_std 5)  discarded 4 (stopped 4)" in text.stdout
+    assert "published version none yet  learner finished: no" in text.stdout
+    assert "1 live actor: actor-1 (v3)" in text.stdout
+    assert not re.search(r"[{}']|\bNone\b|\bTrue\b|\bFalse\b", text.stdout.replace("grpo:{ops}:", "")), text.stdout
     t.close()
+
+
+def _one_line(done: subprocess.CompletedProcess) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A loopback port that accepts connections and never answers: a hung Redis (or something that is not one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", [["status"], ["status", "--json"], ["dead"]])
+def test_queries_fail_fast_when_redis_is_unreachable(command: list[str], silent_port: int) -> None:
+    """Services retry (redis.retries, with backoff); a query connects once, with a short timeout, and says why not.
+    Before: 11 attempts (about 26 s of backoff against a closed port, minutes against a silent one)."""
+    closed = free_port()  # nothing listens there: refused at once
+    for url in (f"redis://127.0.0.1:{closed}/0", f"redis://u:secret@127.0.0.1:{silent_port}/0"):
+        t0 = time.monotonic()
+        done = grpo(url, *command)
+        took = time.monotonic() - t0
+        assert done.returncode == 2, done.stdout + done.stderr
+        line = _one_line(done)
+        assert line.startswith(f"grpo {command[0]}: redis at ") and "is unreachable" in line, line
+        assert "secret" not in line and done.stdout == ""
+        assert took < 15, f"{took:.1f}s: {line}"
+
+
+def test_a_run_name_redis_never_saw_is_a_users_mistake(redis_url: str) -> None:
+    """No identity, counters, stream or dead letters under the name: say so, name the runs Redis knows, exit 2."""
+    for run in ("alpha", "beta"):
+        t = Transport(RedisConfig(url=redis_url), run)
+        if run == "alpha":
+            t.create_identity("r-alpha")  # a learner started
+        else:
+            t.client.hincrby(t.keys.stats, "groups_produced", 0)  # actors only, no learner yet: a run all the same
+        t.close()
+    for command in (["status"], ["status", "--json"], ["dead"]):
+        done = grpo(redis_url, *command, run="alhpa")
+        assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+        line = _one_line(done)
+        assert f"Redis at {redis_url} has no run named 'alhpa' (runs it knows: alpha, beta)" in line, line
+    for run in ("alpha", "beta"):  # the runs it has seen answer as before
+        done = grpo(redis_url, "status", run=run)
+        assert done.returncode == 0 and f"run {run} " in done.stdout, done.stdout + done.stderr
