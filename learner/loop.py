@@ -44,6 +44,7 @@ from learner.broadcast import Broadcaster, Snapshot, snapshot
 from learner.checkpoint import Resumable
 from learner.distributed import Ranks
 from learner.lineage import Lineage
+from learner.trackers import Trackers, check_trackers, open_trackers
 from learner.trainer import Trainer, disable_dropout
 
 log = logging.getLogger("learner")
@@ -106,6 +107,7 @@ class Learner:
         self._last_announcement: WeightsAnnouncement | None = None  # announced again if Redis loses it
         self.run_id = ""  # the run's identity in Redis (see check_identity)
         self.lineage = Lineage()  # the epochs of this policy's lineage: staleness is measured along it
+        self.trackers = Trackers()  # run.trackers, opened by run() on rank 0 once the run's identity is known
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -121,6 +123,8 @@ class Learner:
             taken = self.transport.claim_pending(self.consumer)  # read by an earlier learner, never settled
             if taken:
                 log.info("took over %d groups an earlier learner had read and not settled", len(taken))
+            # After the identity: it names the W&B run. The next row is step 0, or the one after the checkpoint.
+            self.trackers = open_trackers(self.cfg, self.run_id, self.step + 1 if resumed else 0)
         self.continue_versions()
         if self.main:
             self.transport.clear_done()  # (re)started to train: actors must not stop
@@ -576,6 +580,7 @@ class Learner:
         return bool(set(self.transport.live_actors()) - set(self.broadcaster.members()))
 
     def close(self) -> None:
+        self.trackers.close()
         if self.broadcaster is not None:
             self.broadcaster.close()
             self.broadcaster = None
@@ -649,6 +654,7 @@ class Learner:
             return
         with writing(self.metrics_path), self.metrics_path.open("a") as f:
             f.write(_json_row(row) + "\n")
+        self.trackers.log(row)  # after metrics.jsonl, the record; a tracker's failure never reaches training
         m = self.metrics
         m.step.set(self.step)
         m.policy_version.set(self.version)
@@ -712,6 +718,7 @@ def load_models(cfg: Config, device: str | None = None) -> tuple[Any, Any, Any]:
 
 
 def run_learner(cfg: Config) -> int:
+    check_trackers(cfg.run.trackers)  # a missing package: one line and exit 2 before anything loads
     torch.set_num_threads(cfg.learner.torch_threads)
     torch.manual_seed(cfg.run.seed)
     prepare_model_path(cfg)
