@@ -1,5 +1,6 @@
 """A real `grpo learner` that stops after its checkpoint and a second one that resumes from it: the trackers hold
-each step once, with the values metrics.jsonl holds, and W&B's run continues under the same id."""
+each step once, with the values metrics.jsonl holds, and W&B's run continues under the same id. Under torchrun, rank 0
+alone writes them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from common.config import RedisConfig
 from common.transport import Transport
+from tests.integration.test_distributed_learner import BATCH, sampled_groups, train
 from tests.integration.test_learner_process import group
 from tests.tracker_files import (
     as_float32,
@@ -59,3 +61,15 @@ def test_a_resumed_learner_continues_the_trackers_at_its_step(
     assert wandb_run(first).run_id == wandb_run(second).run_id  # one W&B run: the resumed learner continues it
     assert wandb_history(first) == expected_series(rows[:3])
     assert wandb_history(second) == expected_series(rows[3:])
+
+
+def test_under_torchrun_rank_zero_alone_writes_the_tracker(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    t = Transport(RedisConfig(url=redis_url), "ranks")
+    t.ensure_consumer_group()
+    t.produce(sampled_groups(tiny_model_dir, BATCH * 2))
+    t.close()
+    rows = train(processes, 2, redis_url, tiny_model_dir, tmp_path, "ranks", 2, "run.trackers=[tensorboard]")
+    assert len(list((tmp_path / "ranks" / "tensorboard").iterdir())) == 1  # one event file: rank 0's
+    assert tensorboard_scalars(tmp_path / "ranks" / "tensorboard") == as_float32(expected_series(rows))
