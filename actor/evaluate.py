@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from common.cli import role_parser
-from common.config import load_config
+from common.config import check_device, load_config
 from common.log import setup_logging
 
 log = logging.getLogger("eval")
@@ -60,6 +60,8 @@ def main(argv: Sequence[str]) -> int:
     overrides += [f"task.eval_split={json.dumps(args.split)}"] if args.split is not None else []
     cfg = load_config(args.config, overrides)
     setup_logging("eval", cfg.run.log_level)
+    if cfg.actor.engine == "local":
+        check_device(cfg.model.device)
     report = evaluate(cfg, args.n)
     text = json.dumps(report)
     if args.out:

@@ -1,5 +1,6 @@
 """The ``grpo`` command. Subcommands are entry points of the group ``grpo.commands`` (see pyproject.toml): each role
 registers its own, so this module knows no role, and heavy libraries are imported only after arguments parse.
+``grpo config`` is built in: it only reads the config tree, which lives here in common/.
 
 Exit codes: 0 done (or stopped on request); 2 a user's mistake (invalid config, Redis unreachable at start or a
 refused password or command, missing model path, a run, weights or checkpoint directory that is read-only or full),
@@ -11,25 +12,66 @@ it"); 130 Ctrl-C. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
+import importlib.util
+import json
 import os
+import re
 import sys
 from collections.abc import Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
+from pathlib import Path
 
-from common.config import Config, ConfigError, load_config
+import yaml
+
+from common.config import Config, ConfigError, key_rows, load_config
 from common.storage import StorageError, storage_errno
 
 EXIT_USAGE = 2
 EXIT_REDIS_LOST = 3
 
 
+DISTRIBUTION = "grpo-pipeline"
+
+
 def _commands() -> dict[str, object]:
     return {ep.name: ep for ep in entry_points(group="grpo.commands")}
 
 
+def plain_text(text: str) -> str:
+    """Docstring markup (reStructuredText) as the terminal should show it: ``:func:`f``` and ````x```` become f and
+    x, a trailing ``::`` a colon."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    text = re.sub(r"`([^`]+)`", r"\1", text)
+    return re.sub(r"::$", ":", text, flags=re.MULTILINE)
+
+
+def first_paragraph(doc: str | None) -> str:
+    """A command's description for its ``--help``: the first paragraph of its module's docstring."""
+    return (doc or "").strip().split("\n\n", 1)[0]
+
+
+class PlainHelpFormatter(argparse.HelpFormatter):
+    """Help of every command in plain text: descriptions and option help come from docstrings written in RST."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain_text(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return plain_text(super()._expand_help(action))
+
+
 def role_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--config", metavar="FILE", help="YAML config (defaults: the CPU demo)")
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=PlainHelpFormatter)
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="YAML config, repeatable: later files override earlier ones key by key (defaults: the CPU demo)",
+    )
     p.add_argument(
         "-o",
         "--override",
@@ -44,6 +86,86 @@ def role_parser(prog: str, description: str) -> argparse.ArgumentParser:
 def parse_config(prog: str, description: str, argv: Sequence[str]) -> Config:
     args = role_parser(prog, description).parse_args(list(argv))
     return load_config(args.config, args.override)
+
+
+def config_main(argv: Sequence[str]) -> int:
+    p = role_parser(
+        "grpo config",
+        "Print the resolved config (defaults < --config files < environment < -o), secrets left out, as YAML a "
+        "--config file takes; nothing runs and nothing is written.",
+    )
+    p.add_argument("--json", action="store_true", help="JSON instead of YAML")
+    p.add_argument("--keys", action="store_true", help="list every key with its default and meaning instead")
+    args = p.parse_args(list(argv))
+    if args.keys:
+        print(keys_text(), end="")
+        return 0
+    tree = load_config(args.config, args.override).resolved_dict()
+    print(json.dumps(tree, indent=2) if args.json else yaml.safe_dump(tree, sort_keys=False, width=1000), end="")
+    return 0
+
+
+def keys_text() -> str:
+    """Every key, its default and its meaning, one line each: the rows of docs/configuration.md, as plain text."""
+    rows = list(key_rows())
+    key_width = max(len(key) for key, _, _ in rows)
+    default_width = 12  # a longer default (a list) pushes its meaning right rather than widening every line
+    return "".join(
+        f"{key:<{key_width}}  {default or '-':<{default_width}}  {plain_text(meaning)}\n"
+        for key, default, meaning in rows
+    )
+
+
+# Commands of this module, beside those registered as entry points: name -> (function, one line for grpo --help).
+BUILTINS = {
+    "config": (config_main, "print the resolved config (secrets left out) without running anything; --keys: every key"),
+}
+
+
+def summary(name: str, module: str) -> str:
+    """One line about command ``name`` from its module's docstring, read without importing the module (``--help``
+    stays fast): the text after ````grpo NAME ...``:`` where the docstring has one, else its first line."""
+    spec = importlib.util.find_spec(module)
+    source = spec.origin if spec is not None else None
+    doc = ast.get_docstring(ast.parse(Path(source).read_text())) if source and source.endswith(".py") else None
+    lines = (doc or "").splitlines()
+    for i, line in enumerate(lines):
+        if re.match(rf"``grpo {re.escape(name)}(?=[ `])[^`]*``:", line):
+            paragraph = [line.split("``:", 1)[1]]
+            for following in lines[i + 1 :]:
+                if not following.strip() or following.startswith("``grpo "):
+                    break
+                paragraph.append(following)
+            return plain_text(" ".join(part.strip() for part in paragraph)).strip().rstrip(".")
+    return plain_text(lines[0]).strip().rstrip(".") if lines else ""
+
+
+def help_text(commands: dict[str, object]) -> str:
+    """``grpo --help``: every command with one line, and the options of grpo itself."""
+    lines = {name: summary(name, ep.module) for name, ep in commands.items()}  # type: ignore[attr-defined]
+    lines.update({name: line for name, (_, line) in BUILTINS.items()})
+    width = max(map(len, lines))
+    return "\n".join(
+        [
+            "usage: grpo COMMAND [--config FILE ...] [-o KEY=VALUE ...]",
+            "       grpo COMMAND --help   the options of one command",
+            "",
+            "commands:",
+            *(f"  {name:<{width}}  {lines[name]}" for name in sorted(lines)),
+            "",
+            "options:",
+            f"  {'-h, --help':<{width}}  this list",
+            f"  {'--version':<{width}}  the version of {DISTRIBUTION}",
+            "",
+        ]
+    )
+
+
+def _version() -> str:
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "unknown (not installed: pip install -e .)"
 
 
 def storage_problem(e: BaseException) -> str | None:
@@ -62,20 +184,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not commands:
         print("grpo: no subcommands registered; install the package (pip install -e .)", file=sys.stderr)
         return EXIT_USAGE
+    if argv and argv[0] == "--version":
+        print(f"{DISTRIBUTION} {_version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: grpo {" + ",".join(sorted(commands)) + "} [--config FILE] [-o key=value ...]")
-        print("       grpo COMMAND --help   for the options of one command")
+        print(help_text(commands), end="")
         return 0 if argv else EXIT_USAGE
     name, rest = argv[0], argv[1:]
-    if name not in commands:
-        print(f"grpo: unknown command {name!r}; choose from {', '.join(sorted(commands))}", file=sys.stderr)
+    if name not in commands and name not in BUILTINS:
+        known = sorted([*commands, *BUILTINS])
+        near = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {near[0]}?" if near else f"choose from {', '.join(known)}"
+        print(f"grpo: unknown command {name!r}; {hint}", file=sys.stderr)
         return EXIT_USAGE
     import redis
 
     from common.transport import TransportError
 
     try:
-        fn = commands[name].load()  # type: ignore[attr-defined]
+        fn = BUILTINS[name][0] if name in BUILTINS else commands[name].load()  # type: ignore[attr-defined]
         return int(fn(rest) or 0)
     except (ConfigError, TransportError) as e:
         print(f"grpo {name}: {e}", file=sys.stderr)

