@@ -14,26 +14,31 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import redis
 from pydantic import SecretStr
 
 from common.cli import EXIT_USAGE, role_parser
-from common.config import Config, ConfigError, check_device, load_config, write_resolved
+from common.config import Config, ConfigError, check_device, load_config, mask_url, write_resolved
 from common.log import setup_logging
 from common.metrics import gather_endpoints
 from common.model_import import prepare_model_path
 from common.procs import die_with_parent, stop_process
 from common.transport import Transport, read_balance
+
+if TYPE_CHECKING:
+    from common.progress import Startup
 
 log = logging.getLogger("run")
 
@@ -80,6 +85,11 @@ class Run:
     rows: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     _offset: int = 0
+    prepared: bool = False  # prepare_dir ran: run.dir is this run's
+    _made_dir: bool = False  # this start created run.dir (so a start that fails removes it)
+    _kept: Path | None = None  # where prepare_dir moved the previous run (so a start that fails moves it back)
+    _watcher: Transport | None = None  # start-up only: reads what the processes have done so far (startup)
+    _seen: dict[str, Any] = field(default_factory=dict)  # what it read last, and when
 
     @property
     def run_dir(self) -> Path:
@@ -88,7 +98,9 @@ class Run:
     # -- prepare ------------------------------------------------------------------------------------------------
 
     def prepare_dir(self) -> None:
-        """A fresh run directory; a previous run's directory is kept, renamed with its time."""
+        """A fresh run directory; a previous run's directory is kept, renamed with its time. Called once every check
+        that can fail on the user's input has passed (task, model, Redis), and undone by :meth:`undo_dir` if the
+        start fails before any process of the run started."""
         d = self.run_dir
         if d.exists() and any(d.iterdir()):
             stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(d.stat().st_mtime))
@@ -97,8 +109,27 @@ class Run:
             while kept.exists():
                 kept, n = d.with_name(f"{d.name}.{stamp}-{n}"), n + 1
             d.rename(kept)
+            self._kept = kept
             log.info("kept the previous run in %s", kept)
+        self._made_dir = not d.exists()
         (d / "logs").mkdir(parents=True, exist_ok=True)
+        self.prepared = True
+
+    def undo_dir(self) -> None:
+        """After a start that failed before any process of the run started: remove what :meth:`prepare_dir` and the
+        start wrote (the empty ``logs/``, ``config.json``; ``redis/`` goes in any case) and put the previous run
+        back. Anything else in the directory means something else wrote there: it stays."""
+        d = self.run_dir
+        if not self.prepared or self.children:
+            return
+        with contextlib.suppress(OSError):
+            (d / "config.json").unlink(missing_ok=True)
+            (d / "logs").rmdir()
+            if self._made_dir:
+                d.rmdir()
+        if self._kept is not None and not d.exists():
+            self._kept.rename(d)
+            log.info("put the previous run back in %s", d)
 
     def prepare_model(self) -> None:
         if self.cfg.model.path:
@@ -118,6 +149,16 @@ class Run:
 
             task = make_task(self.cfg.task, self.cfg.run.seed)
             log.info("task: %d training prompts, %d held out", len(task.train), len(task.eval))
+
+    def check_redis(self) -> None:
+        """An unreachable Redis (or a refused password) is a user's mistake: one line, exit 2 (TransportError), before
+        the run directory is touched. The private Redis has nothing to check."""
+        if self.cfg.redis.url:
+            t = Transport(self.cfg.redis, self.cfg.run.name)
+            try:
+                t.ping()
+            finally:
+                t.close()
 
     def start_redis(self) -> None:
         if not self.cfg.redis.url:
@@ -141,7 +182,6 @@ class Run:
             return
         t = Transport(self.cfg.redis, self.cfg.run.name)
         try:
-            t.ping()  # an unreachable Redis is a user's mistake: one line, exit 2 (TransportError)
             t.delete_run()  # a fresh run under this name: old counters would break the accounting
         finally:
             t.close()
@@ -170,6 +210,23 @@ class Run:
         self.spawn("learner", "learner")
         for i in range(1, self.cfg.run.actors + 1):
             self.spawn("actor", f"actor-{i}", [f"actor.id=actor-{i}"])
+
+    def actors_to_start(self) -> str:
+        """Under ``run.actors=0``: the one line saying what to start, and where: the exact ``grpo actor`` command,
+        the password by the path of its file (never the password itself)."""
+        q = shlex.quote
+        url, name = self.cfg.redis.url, self.cfg.run.name
+        actor = f"grpo actor --config {q(str(self.run_dir / 'config.json'))}"
+        if self.redis_server is not None:
+            return (f"run.actors=0: this runs the learner and a private Redis only; start each actor on this machine "
+                    f"(the Redis listens on 127.0.0.1) with: GRPO_REDIS_PASSWORD=\"$(cat "
+                    f"{q(str(self.redis_server.password_file))})\" {actor} -o redis.url={q(url)} -o run.name={q(name)} "
+                    f"-o actor.id=actor-1 (each actor its own actor.id)")  # fmt: skip
+        # config.json holds the URL masked: one with a password inside comes from the operator's own settings.
+        where = f"-o redis.url={q(url)} " if mask_url(url) == url else ""
+        return (f"run.actors=0: this runs the learner only; start each actor where Redis at {mask_url(url)} is "
+                f"reachable with: {actor} {where}-o run.name={q(name)} -o actor.id=actor-1 (each actor its own "
+                f"actor.id; Redis credentials as for this command)")  # fmt: skip
 
     def check_children(self) -> bool:
         """True once the learner has finished; raises ChildFailed when any child has died otherwise."""
@@ -200,16 +257,22 @@ class Run:
             f"{child.name}: {last.strip()}",
         )
 
-    def wait_for_endpoints(self) -> list[dict[str, Any]]:
-        # the learner, the actors, and the SGLang server each actor launches (actor.engine sglang, no sglang.url)
+    def expected_endpoints(self) -> list[tuple[str, str]]:
+        """(role, name) of every endpoint the run waits for: the learner, the actors, and the SGLang server each
+        actor launches (actor.engine sglang, no sglang.url)."""
         launched = self.cfg.actor.engine == "sglang" and not self.cfg.sglang.url
-        want = 1 + self.cfg.run.actors * (2 if launched else 1)
+        want = [(c.role, c.name) for c in self.children]
+        return want + [("sglang", c.name) for c in self.children if launched and c.role == "actor"]
+
+    def wait_for_endpoints(self, waiting: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
+        want = len(self.expected_endpoints())
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
         while True:
             endpoints = gather_endpoints(self.run_dir)
             if len(endpoints) >= want:
                 break
             self.check_children()
+            waiting()
             if time.monotonic() > deadline:
                 raise ChildFailed(f"only {len(endpoints)} of {want} processes came up in {_STARTUP_TIMEOUT_S:.0f}s")
             time.sleep(0.1)
@@ -234,6 +297,50 @@ class Run:
                     child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     # -- progress -----------------------------------------------------------------------------------------------
+
+    def startup(self) -> Startup:
+        """What the run's processes have done so far, before its first step: their endpoint files, the learner's
+        step-0 row, and in Redis (read once a second at most) the learner's first announcement, the actors'
+        heartbeats and the groups they sent."""
+        from common.progress import Startup  # rich loads only after the arguments are valid
+
+        up = {(e["role"], e["name"]) for e in gather_endpoints(self.run_dir)}
+        missing = [name if role != "sglang" else f"{name}'s SGLang server"
+                   for role, name in self.expected_endpoints() if (role, name) not in up]  # fmt: skip
+        if time.monotonic() >= self._seen.get("next", 0.0):
+            self._seen |= self._read_redis()
+            self._seen["next"] = time.monotonic() + 1.0
+        return Startup(
+            missing=missing,
+            started=len(self.expected_endpoints()),
+            announced=self._seen.get("announced", False),
+            evaluated=any(r.get("step") == 0 for r in self.rows),
+            actors=self.cfg.run.actors,
+            actors_ready=self._seen.get("actors_ready", 0),
+            produced=self._seen.get("produced", 0),
+            batch=self.cfg.learner.batch_groups,
+        )
+
+    def _read_redis(self) -> dict[str, Any]:
+        """One look, no retries and a short timeout: a Redis that does not answer at once is looked at again next
+        time (and, if it is gone, the children say so)."""
+        if self._watcher is None:
+            quick = self.cfg.redis.model_copy(update={"retries": 0, "socket_timeout_s": 3.0})
+            self._watcher = Transport(quick, self.cfg.run.name)
+        t = self._watcher
+        try:
+            pipe = t.client.pipeline(transaction=False)
+            pipe.exists(t.keys.weights_latest)
+            pipe.hget(t.keys.stats, "groups_produced")
+            announced, produced = pipe.execute()
+            return {"announced": bool(announced), "produced": int(produced or 0), "actors_ready": len(t.live_actors())}
+        except redis.RedisError:
+            return {}
+
+    def close_watcher(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
 
     def read_rows(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
@@ -293,26 +400,34 @@ def main(argv: Sequence[str]) -> int:
     if cfg.metrics.port:
         raise ConfigError("config error: metrics.port: must be 0 under `grpo run` (each process takes a free port)")
     run = Run(cfg)
-    progress = Progress(cfg, live=not args.plain and sys.stdout.isatty())
+    progress = Progress(cfg, live=not args.plain and sys.stdout.isatty(), started=run.started)
 
     def on_signal(signum: int, _frame: Any) -> None:
         raise Interrupted(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        # Every check of the user's input first: a start that fails on one leaves no directory behind.
         run.check_task()
-        run.prepare_dir()
         run.prepare_model()
+        run.check_redis()
+        run.prepare_dir()
         run.start_redis()
         write_resolved(cfg, run.run_dir / "config.json")
         run.start_children()
-        endpoints = run.wait_for_endpoints()
-        progress.endpoints(endpoints)
+        progress.header()
+        if cfg.run.actors == 0:
+            progress.say(run.actors_to_start())
         with progress:
+            progress.endpoints(run.wait_for_endpoints(lambda: progress.starting(run.startup())))
             while not run.check_children():
                 progress.update(run.read_rows())
+                if not progress.last:  # until the first step: what the run waits for
+                    progress.starting(run.startup())
                 time.sleep(0.25)
-        run.read_rows()
+        run.close_watcher()
+        progress.update(run.read_rows())
+        progress.finish()
         run.wait_actors(_ACTOR_EXIT_GRACE_S)
         run.stop_children()
         t = Transport(cfg.redis, cfg.run.name)
@@ -342,6 +457,9 @@ def main(argv: Sequence[str]) -> int:
         run.stop_children()
         if run.redis_server is not None:
             run.redis_server.stop()
+        run.close_watcher()
         for s, handler in old.items():
             signal.signal(s, handler)
-        shutil.rmtree(run.run_dir / "redis", ignore_errors=True)
+        if run.prepared:
+            shutil.rmtree(run.run_dir / "redis", ignore_errors=True)
+            run.undo_dir()  # a start that failed before any process of the run started leaves nothing behind

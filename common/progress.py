@@ -1,8 +1,14 @@
-"""What ``grpo run`` shows: a live view while it runs (or plain lines when stdout is not a terminal), then a summary."""
+"""What ``grpo run`` shows: a live view while it runs (or plain lines when stdout is not a terminal), then a summary.
+
+Both say how long the run has taken and, once steps are being trained, how long it will still take (the ETA, from
+the learner's recent step rate). Until the first step they say what the run waits for: its processes to start, the
+learner to load the model and evaluate step 0, the actors' first groups (:func:`waiting_for`).
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -12,33 +18,111 @@ from rich.table import Table
 from common.config import Config
 
 _PLAIN_EVERY_S = 5.0
+_RATE_WINDOW = 20  # steps the ETA's rate is measured over: recent enough to follow a change of pace
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def clock(seconds: float | None) -> str:
+    """``42`` → ``0:42``, ``3725`` → ``1:02:05``; None → ``-``."""
+    if seconds is None:
+        return "-"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+@dataclass(frozen=True)
+class Startup:
+    """What ``grpo run`` can observe of its processes' start-up (endpoint files, metrics rows, Redis)."""
+
+    missing: list[str]  # processes whose endpoint is not registered yet (they are still importing their libraries)
+    started: int  # processes started
+    announced: bool  # the learner announced its first weights: its model is loaded
+    evaluated: bool  # the learner's step-0 row is written: it waits for groups
+    actors: int  # actor processes grpo run started (run.actors)
+    actors_ready: int  # of them, heartbeating: their engine is up and their model loaded
+    produced: int  # groups the actors have sent
+    batch: int  # groups the first step takes (learner.batch_groups)
+
+
+def waiting_for(s: Startup) -> tuple[str, str]:
+    """``(phase, line)``: what the run waits for before its first step, in words. The phase names the stage (the
+    line's counts change within it)."""
+    if s.missing:
+        up = s.started - len(s.missing)
+        names = ", ".join("the learner" if name == "learner" else name for name in s.missing)
+        return "processes", f"waiting for {names} to start ({up} of {s.started} up)"
+    actors = f"; {s.actors_ready} of {s.actors} actors have loaded the model" if s.actors_ready < s.actors else ""
+    if not s.announced:
+        return "model", f"waiting for the learner to load the model{actors}"
+    if not s.evaluated:
+        return "evaluation", f"waiting for the learner to evaluate step 0{actors}"
+    whose = "the actors' first groups" if s.actors else "groups from the actors you start (run.actors=0)"
+    return "groups", f"waiting for {whose}: {s.produced} of the {s.batch} that step 1 takes{actors}"
+
+
+def eta_s(rows: list[dict[str, Any]], steps: int) -> float | None:
+    """Seconds until step ``steps``, at the learner's rate over its last steps (``time/elapsed_s`` of its rows);
+    None before the first step."""
+    trained = [r for r in rows if r.get("step", 0) > 0 and "time/elapsed_s" in r]
+    if not trained:
+        return None
+    last = trained[-1]
+    first = trained[max(0, len(trained) - 1 - _RATE_WINDOW)]
+    if last["step"] > first["step"]:
+        per_step = (last["time/elapsed_s"] - first["time/elapsed_s"]) / (last["step"] - first["step"])
+    else:  # one step so far: its own time, less its wait for the actors' first groups (start-up, not the pace)
+        per_step = last.get("time/step_s", 0.0) - last.get("time/wait_s", 0.0)
+    return max(0, steps - last["step"]) * per_step
+
+
 class Progress:
-    def __init__(self, cfg: Config, live: bool):
+    def __init__(self, cfg: Config, live: bool, started: float | None = None):
         self.cfg = cfg
         self.console = Console()
         self.live_enabled = live
         self._live: Live | None = None
+        self.started = time.perf_counter() if started is None else started  # perf_counter of grpo run's start
+        self.rows: list[dict[str, Any]] = []
         self.last: dict[str, Any] = {}
         self.accuracy: float | None = None
+        self.waiting: str | None = None  # what the run waits for before its first step (None once it trains)
+        self._eta: tuple[float, float] | None = None  # (ETA in seconds, perf_counter when it was computed)
         self._next_plain = 0.0
+        self._printed_step = -1
+        self._phase = ""
+        self._next_waiting = 0.0
 
-    def endpoints(self, endpoints: list[dict[str, Any]]) -> None:
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def eta(self) -> float | None:
+        """The ETA of the newest row, counted down since."""
+        if self._eta is None:
+            return None
+        seconds, at = self._eta
+        return max(0.0, seconds - (time.perf_counter() - at))
+
+    def header(self) -> None:
         self.console.print(f"run [bold]{self.cfg.run.name}[/] in {self.cfg.run.dir}")
-        for e in endpoints:  # a SGLang server an actor launched is listed with its URL, under the actor's name
-            label, url = (f"{e['name']} sglang", e["url"]) if e["role"] == "sglang" else (e["name"], e["metrics_url"])
-            self.console.print(f"  {label:<10} pid {e['pid']:<8} {url}", soft_wrap=True)
         lc = self.cfg.learner
         kl = f"KL penalty beta={lc.beta}" if lc.beta > 0 else "KL penalty off (beta = 0)"
         self.console.print(
             f"  {self.cfg.run.steps} steps of {lc.batch_groups} groups x {self.cfg.actor.group_size}, "
             f"loss {lc.loss_type}, lr {lc.lr:g}, {kl}"
         )
+
+    def say(self, line: str) -> None:
+        """A line of its own (above the live view while it runs)."""
+        self.console.print(line, highlight=False, soft_wrap=True, markup=False)
+
+    def endpoints(self, endpoints: list[dict[str, Any]]) -> None:
+        for e in endpoints:  # a SGLang server an actor launched is listed with its URL, under the actor's name
+            label, url = (f"{e['name']} sglang", e["url"]) if e["role"] == "sglang" else (e["name"], e["metrics_url"])
+            self.console.print(f"  {label:<10} pid {e['pid']:<8} {url}", soft_wrap=True)
 
     def __enter__(self) -> Progress:
         if self.live_enabled:
@@ -51,30 +135,58 @@ class Progress:
             self._live.__exit__(None, None, None)
             self._live = None
 
+    def starting(self, startup: Startup) -> None:
+        """Before the first step: show what the run waits for. Plain lines at each new stage, and every
+        ``_PLAIN_EVERY_S`` while a stage's counts change."""
+        phase, line = waiting_for(startup)
+        changed = line != self.waiting
+        self.waiting = line
+        if self._live is not None:
+            self._live.update(self._table())
+        elif phase != self._phase or (changed and time.perf_counter() >= self._next_waiting):
+            self._phase = phase
+            self._next_waiting = time.perf_counter() + _PLAIN_EVERY_S
+            self.say(f"[{clock(self.elapsed())}] {line}")
+
     def update(self, rows: list[dict[str, Any]]) -> None:
+        self.rows.extend(rows)
         for row in rows:
             if "eval/accuracy" in row:
                 self.accuracy = row["eval/accuracy"]
             if "reward" in row:
                 self.last = row
-        if not rows:
-            return
+                self.waiting = None
+        if rows and (eta := eta_s(self.rows, self.cfg.run.steps)) is not None:
+            self._eta = (eta, time.perf_counter())
         if self._live is not None:
-            self._live.update(self._table())
-        elif self.last and time.monotonic() >= self._next_plain:
-            self._next_plain = time.monotonic() + _PLAIN_EVERY_S
-            r = self.last
-            self.console.print(
-                f"step {r['step']:>4}/{self.cfg.run.steps}  reward {r['reward']:.3f}  "
-                f"accuracy {_fmt(self.accuracy, '.2f')}  zero-std {r['frac_reward_zero_std']:.2f}  "
-                f"staleness {r['staleness/mean']:.2f}  {r['groups_per_s']:.1f} groups/s",
-                highlight=False,
-                soft_wrap=True,
-            )
+            self._live.update(self._table())  # every call: the elapsed time and the ETA count on between steps
+        elif rows and self.last and time.perf_counter() >= self._next_plain:
+            self._next_plain = time.perf_counter() + _PLAIN_EVERY_S
+            self._plain_step()
+
+    def finish(self) -> None:
+        """Plain lines end with the last step, printed or not by the every-few-seconds rule."""
+        if self._live is None and self.last and self.last["step"] != self._printed_step:
+            self._plain_step()
+
+    def _plain_step(self) -> None:
+        r = self.last
+        self._printed_step = r["step"]
+        self.say(
+            f"step {r['step']:>4}/{self.cfg.run.steps}  reward {r['reward']:.3f}  "
+            f"accuracy {_fmt(self.accuracy, '.2f')}  zero-std {r['frac_reward_zero_std']:.2f}  "
+            f"staleness {r['staleness/mean']:.2f}  {r['groups_per_s']:.1f} groups/s  "
+            f"elapsed {clock(self.elapsed())}  eta {clock(self.eta())}"
+        )
 
     def _table(self) -> Table:
         r = self.last
-        t = Table(title=f"grpo run {self.cfg.run.name}", show_header=True)
+        caption = f"elapsed {clock(self.elapsed())}"
+        if self.waiting:
+            caption += f"  {self.waiting}"
+        elif r:
+            caption += f"  eta {clock(self.eta())}"
+        t = Table(title=f"grpo run {self.cfg.run.name}", caption=caption, show_header=True)
         for col in ("step", "reward", "accuracy", "zero-std", "staleness", "groups/s", "clip", "step s"):
             t.add_column(col, justify="right")
         if r:
@@ -89,7 +201,7 @@ class Progress:
                 f"{r['time/step_s']:.2f}",
             )
         else:
-            t.add_row("waiting for the first step", *[""] * 7)
+            t.add_row("-", *[""] * 7)
         return t
 
     def summary(self, s: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ optimisation itself (advantages, off-policy correction, updates) is learner.trai
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -765,6 +766,7 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
     metrics.run_steps.set(cfg.run.steps)
     transport = Transport(cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc)
     transport.ping()
+    made = not Path(cfg.run.dir).exists()  # a start refused on the user's input removes the directory it made
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     write_resolved(cfg, Path(cfg.run.dir) / "config.json")
     lc = cfg.learner
@@ -787,7 +789,7 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
 
     grader = open_grader(correctness(cfg.grader))  # the learner grades only its evaluation: right or wrong
     server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
-    register_endpoint(cfg.run.dir, "learner", "learner", server.url)
+    endpoint = register_endpoint(cfg.run.dir, "learner", "learner", server.url)
     try:
         tokenizer, model, reference = _models(cfg, ranks)
         metrics.reference_loaded.set(int(reference is not None))
@@ -797,9 +799,23 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
             signal.signal(sig, lambda *_: stop.set())
         log.info("learner: %d steps, metrics %s, run dir %s", cfg.run.steps, server.url, cfg.run.dir)
         return learner.run()
+    except ConfigError:
+        if made and learner is None:  # refused before training (the task, the chat template): nothing is left
+            _unmake_run_dir(Path(cfg.run.dir), endpoint)
+        raise
     finally:
         if learner is not None:
             learner.close()
         grader.close()
         server.close()
         transport.close()
+
+
+def _unmake_run_dir(run_dir: Path, endpoint: Path) -> None:
+    """Remove what a refused start wrote in the run directory it made (config.json, its endpoint), then the
+    directory itself once empty: rmdir only, so anything another process wrote there stays."""
+    for f in (run_dir / "config.json", endpoint):
+        f.unlink(missing_ok=True)
+    for d in (endpoint.parent, run_dir):
+        with contextlib.suppress(OSError):
+            d.rmdir()

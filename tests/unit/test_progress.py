@@ -1,0 +1,51 @@
+"""The pieces of `grpo run`'s view that are pure: the clock, the ETA from the learner's rows, and the start-up line."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.progress import Startup, clock, eta_s, waiting_for
+
+
+def test_clock() -> None:
+    assert [clock(s) for s in (0, 42, 61.9, 3725)] == ["0:00", "0:42", "1:01", "1:02:05"]
+    assert clock(None) == "-"
+
+
+def row(step: int, elapsed: float, step_s: float = 1.0, wait_s: float = 0.0) -> dict:
+    return {"step": step, "time/elapsed_s": elapsed, "time/step_s": step_s, "time/wait_s": wait_s}
+
+
+def test_eta_from_the_learners_recent_rate() -> None:
+    assert eta_s([{"step": 0, "eval/accuracy": 0.1}], 10) is None  # no step trained yet
+    # One step: its own time less its wait for the first groups (12 s - 10 s), for the 9 steps left.
+    assert eta_s([row(0, 5.0), row(1, 17.0, step_s=12.0, wait_s=10.0)], 10) == pytest.approx(18.0)
+    # Steps 1..5 at 3 s each after a slow start: (5 - 1) steps in 12 s, 5 steps left.
+    rows = [row(1, 20.0)] + [row(s, 20.0 + 3 * (s - 1)) for s in range(2, 6)]
+    assert eta_s(rows, 10) == pytest.approx(15.0)
+    # The rate is the last 20 steps': 30 steps at 10 s, then 20 at 1 s.
+    rows = [row(s, 10.0 * s) for s in range(1, 31)] + [row(s, 300.0 + (s - 30)) for s in range(31, 51)]
+    assert eta_s(rows, 60) == pytest.approx(10.0)
+    assert eta_s(rows, 50) == 0.0
+
+
+def startup(**changes: object) -> Startup:
+    base = dict(missing=[], started=3, announced=True, evaluated=True, actors=2, actors_ready=2, produced=3, batch=8)
+    return Startup(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def test_the_start_up_line_names_what_the_run_waits_for() -> None:
+    assert waiting_for(startup(missing=["learner", "actor-2"], announced=False)) == (
+        "processes",
+        "waiting for the learner, actor-2 to start (1 of 3 up)",
+    )
+    assert waiting_for(startup(announced=False, evaluated=False, actors_ready=1)) == (
+        "model",
+        "waiting for the learner to load the model; 1 of 2 actors have loaded the model",
+    )
+    assert waiting_for(startup(evaluated=False)) == ("evaluation", "waiting for the learner to evaluate step 0")
+    assert waiting_for(startup()) == ("groups", "waiting for the actors' first groups: 3 of the 8 that step 1 takes")
+    assert waiting_for(startup(actors=0, actors_ready=1, started=1)) == (
+        "groups",
+        "waiting for groups from the actors you start (run.actors=0): 3 of the 8 that step 1 takes",
+    )
