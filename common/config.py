@@ -795,7 +795,9 @@ def check_model_path(path: str) -> None:
 def check_device(device: str) -> None:
     """``model.device`` must be a device this machine has: checked before any process starts or any model loads,
     because torch's own failure comes after minutes of loading, as a traceback from inside ``model.to``."""
-    import torch  # only the processes that load a model pay for it
+    if device == "cpu":
+        return  # every machine has one: `grpo run` on the CPU is spared importing torch this early
+    import torch
 
     try:
         where = torch.device(device)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -281,3 +283,51 @@ def test_a_hub_name_that_cannot_be_fetched_fails_at_once(tmp_path: Path, monkeyp
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
         check_hub_model("no-such-org/no-such-model")
+
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    """A stand-in for the hub's model API on loopback: one model with a config.json, one without, none else."""
+
+    def do_GET(self) -> None:
+        files = {
+            "/api/models/org/model": ["config.json", "model.safetensors"],
+            "/api/models/org/weights-only": ["a.gguf"],
+        }
+        path = self.path.split("?")[0].removesuffix("/revision/main")
+        if path not in files:
+            self.send_response(401)  # as the hub answers for a missing (or private) model
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.end_headers()
+            return
+        body = json.dumps(
+            {"id": path.removeprefix("/api/models/"), "siblings": [{"rfilename": f} for f in files[path]]}
+        )
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_hub_name_is_checked_against_what_the_hub_has(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.model_import import check_hub_model
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+        check_hub_model("org/model")
+        with pytest.raises(ConfigError, match=r"^config error: model\.path: org/absent: no such model on the Hugging"):
+            check_hub_model("org/absent")
+        with pytest.raises(
+            ConfigError, match=r"^config error: model\.path: org/weights-only on the .* no config\.json"
+        ):
+            check_hub_model("org/weights-only")
+    finally:
+        server.shutdown()
+        server.server_close()
