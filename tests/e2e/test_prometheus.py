@@ -1,7 +1,8 @@
 """A real Prometheus server scrapes a running `grpo run`, configured with compose's prometheus.yml where only the
 service discovery is swapped (DNS → a file written from endpoints.json); the test reads step, reward and per-actor
-groups/s back through Prometheus' HTTP query API. Also: `promtool check config` passes on compose's file, and every
-metric the Grafana dashboard queries appears in a scrape of the running processes."""
+groups/s back through Prometheus' HTTP query API. Also: `promtool check config` passes on compose's file, every
+metric the Grafana dashboard queries appears in a scrape of the running processes, each dashboard query (its run
+variable set to the run) evaluates, and Prometheus loads and evaluates the alert rules (alerts.yml) without error."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS_YML = REPO / "deploy" / "prometheus" / "prometheus.yml"
+ALERTS_YML = REPO / "deploy" / "prometheus" / "alerts.yml"
 JOBS = {"learner": "grpo-learner", "actor": "grpo-actor"}
 
 
@@ -72,6 +74,7 @@ def test_prometheus_scrapes_a_running_grpo_run(demo_model_dir: Path, tmp_path: P
         del job["dns_sd_configs"]
         job["file_sd_configs"] = [{"files": [str(sd_file)]}]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    shutil.copy(ALERTS_YML, tmp_path / "alerts.yml")  # beside it, as compose mounts both (rule_files is relative)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     processes.start(
@@ -112,6 +115,25 @@ def test_prometheus_scrapes_a_running_grpo_run(demo_model_dir: Path, tmp_path: P
     dashboard = json.loads((REPO / "deploy" / "grafana" / "dashboards" / "grpo.json").read_text())
     used = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"\bgrpo_[a-z_]+", t["expr"])}
     assert used <= exported, used - exported
+
+    # The dashboard's run variable lists this run, and every query, filtered by it, evaluates.
+    runs = {r["metric"]["run"] for r in query(base, "grpo_build_info")}
+    assert runs == {"default"}, runs
+    exprs = {t["expr"].replace("$run", "default") for p in dashboard["panels"] for t in p["targets"]}
+    for expr in exprs:
+        query(base, expr)  # a query Prometheus refuses fails here
+    step_expr = next(e for e in exprs if e.startswith("grpo_learner_step "))
+    assert query(base, step_expr), step_expr  # the join selects the run's learner
+
+    # The alert rules are loaded, and each has been evaluated without error.
+    alerts = yaml.safe_load(ALERTS_YML.read_text())["groups"][0]["rules"]
+
+    def rules_evaluated() -> bool:
+        reply = json.loads(urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10).read())
+        loaded = [r for g in reply["data"]["groups"] for r in g["rules"]]
+        return len(loaded) == len(alerts) and all(r["health"] == "ok" for r in loaded)
+
+    assert wait_until(rules_evaluated, 60, interval_s=1.0), urllib.request.urlopen(f"{base}/api/v1/rules").read()
 
     run.terminate()  # Ctrl-C-like stop: the run stops every process it started
     assert run.wait(timeout=60) in (0, 130, 143)  # stopped by us: 128 + SIGTERM
