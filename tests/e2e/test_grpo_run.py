@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import sys
 import time
@@ -178,3 +179,38 @@ def test_nothing_is_pickled_anywhere() -> None:
     ]
     assert offenders == []
     assert sys.version_info >= (3, 10)
+
+
+def test_actors_zero_says_what_to_start_and_the_view_says_what_it_waits_for(  # type: ignore[no-untyped-def]
+    tiny_model_dir: Path, tmp_path: Path, processes
+) -> None:
+    """`run.actors=0`: grpo run prints the exact `grpo actor` command (the password by its file, never itself); the
+    plain lines say what the start waits for, then the elapsed time and an ETA with each step."""
+    run_dir = tmp_path / "run"
+    log = tmp_path / "grpo-run.log"
+    settings = ["-o", "run.actors=0", "-o", "run.steps=3", "-o", "learner.batch_groups=4", "-o", "learner.eval_every=3",
+                "-o", "actor.prompts_per_round=4", "-o", f"model.path={tiny_model_dir}"]  # fmt: skip
+    proc = processes.grpo("run", "--plain", *settings, "-o", f"run.dir={run_dir}", log=log)
+    waiting = "waiting for groups from the actors you start (run.actors=0): 0 of the 4 that step 1 takes"
+    assert wait_until(lambda: waiting in log.read_text() or proc.poll() is not None, 180), log.read_text()
+    out = log.read_text()
+    m = re.search(
+        r'start each actor on this machine .* with: GRPO_REDIS_PASSWORD="\$\(cat (\S+)\)" grpo (actor .+?) \(', out
+    )
+    assert m, out
+    password = Path(m.group(1)).read_text().strip()
+    assert m.group(1) == str(run_dir / "redis" / "password") and password not in out
+    # As printed: its -o redis.url wins over a GRPO_REDIS_URL the operator's shell may hold for another Redis.
+    env = {"GRPO_REDIS_PASSWORD": password, "GRPO_REDIS_URL": "redis://127.0.0.1:1/0"}
+    actor = processes.grpo(*shlex.split(m.group(2)), log=tmp_path / "actor.log", env=env)
+    assert proc.wait(timeout=300) == 0, log.read_text()
+    assert actor.wait(timeout=60) == 0 and "the learner finished the run" in (tmp_path / "actor.log").read_text()
+
+    out = log.read_text()
+    lines = out.splitlines()
+    first = lines.index(next(line for line in lines if "waiting for" in line))
+    assert re.fullmatch(r"\[\d+:\d\d\] waiting for the learner to start \(0 of 1 up\)", lines[first]), lines[first]
+    # Between the learner's start and the groups: its model load and its step-0 evaluation (a second each at least).
+    assert "] waiting for the learner to load the model" in out or "] waiting for the learner to evaluate step 0" in out
+    assert re.search(r"^step +3/3 .* elapsed \d+:\d\d  eta 0:00$", out, re.M), out
+    assert password not in out
