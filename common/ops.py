@@ -60,9 +60,10 @@ def asking(t: Transport, fn: Callable[[], T]) -> T:
 
 def run_exists(t: Transport) -> bool:
     """Whether Redis holds any key of this run: its identity (a learner started), counters or stream (an actor
-    sent groups), dead letters, an announcement or the done mark. One EXISTS: the keys share one slot."""
+    sent groups), the prompt cursor or a reserved round (an actor is sampling its first), dead letters, an
+    announcement or the done mark. One EXISTS: the keys share one slot."""
     k = t.keys
-    keys = (k.identity, k.stats, k.groups, k.dead, k.weights_latest, k.done, k.filtered)
+    keys = (k.identity, k.stats, k.groups, k.prompts_cursor, k.inflight, k.dead, k.weights_latest, k.done, k.filtered)
     return bool(t._do(lambda: t.client.exists(*keys)))
 
 
