@@ -5,8 +5,8 @@ registers its own, so this module knows no role, and heavy libraries are importe
 Exit codes: 0 done (or stopped on request); 2 a user's mistake (invalid config, Redis unreachable at start or a
 refused password or command, missing model path, a run, weights or checkpoint directory that is read-only or full),
 one line on stderr; 3 Redis lost mid-run and still unreachable after
-``redis.retries`` reconnect attempts (a supervisor restarts the process; nothing is lost, see the README's "Operating
-it"); 130 Ctrl-C. Anything else is a bug and keeps its traceback.
+``redis.retries`` reconnect attempts (a supervisor restarts the process; nothing is lost, see docs/operations.md, "What
+survives what"); 130 Ctrl-C. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -214,7 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"grpo {name}: {line}; free space or fix permissions and start it again", file=sys.stderr)
         return EXIT_USAGE
     except redis.exceptions.NoPermissionError as e:
-        print(f"grpo {name}: Redis refused a command to this user ({e}); see the ACL in the README", file=sys.stderr)
+        print(
+            f"grpo {name}: Redis refused a command to this user ({e}); see the ACL in docs/operations.md",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     except (redis.ConnectionError, redis.TimeoutError) as e:
         # Only raised once the transport's bounded reconnects (logged "attempt i/n") are used up.
