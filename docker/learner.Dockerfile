@@ -6,8 +6,11 @@ ARG TORCH_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
 
 # The dependency list alone: its text, and so the layers below, stay the same across edits to anything else.
 FROM python:3.12-slim AS requirements
+# The extras to install, space-separated: "data tensorboard wandb" for run.trackers (their pins are in the
+# constraints file too).
+ARG EXTRAS="data"
 COPY pyproject.toml docker/requirements.py /src/
-RUN python /src/requirements.py requirements /src/pyproject.toml data > /requirements.txt
+RUN python /src/requirements.py requirements /src/pyproject.toml ${EXTRAS} > /requirements.txt
 
 FROM ${TORCH_IMAGE}
 # A user of its own (a fixed id, which Kubernetes' runAsNonRoot can check); it owns the directories the named volumes

@@ -189,7 +189,11 @@ def image_extras(name: str) -> list[str]:
     """The extras the image installs: the arguments of docker/requirements.py's `requirements` step."""
     (run,) = [args for keyword, args in instructions(name) if keyword == "RUN" and "py requirements " in args]
     words = run.split(">", 1)[0].split()  # python /src/requirements.py requirements /src/pyproject.toml EXTRA...
-    return words[words.index("requirements") + 2 :]
+    extras = words[words.index("requirements") + 2 :]
+    # `${EXTRAS}`: a build argument; what a plain build installs is its default.
+    defaults = dict(a.split("=", 1) for k, a in instructions(name) if k == "ARG" and "=" in a)
+    resolved = [defaults[w[2:-1]].strip('"').split() if w.startswith("${") else [w] for w in extras]
+    return [extra for words in resolved for extra in words]
 
 
 def docker_requirements() -> ModuleType:
@@ -270,7 +274,7 @@ def test_dockerfiles_run_as_a_user_of_their_own(name: str) -> None:
     # The named volumes start from the image's directories: they must be the user's for Docker to make them so.
     assert any("chown grpo:grpo /weights /runs /hf-cache" in args for keyword, args in steps if keyword == "RUN")
     for keyword, args in instructions(name):
-        if keyword == "ARG" and "=" in args:
+        if keyword == "ARG" and args.split("=", 1)[0].endswith("_IMAGE"):
             image = args.split("=", 1)[1]
             assert ":" in image and not image.endswith(":latest"), image
         if keyword == "FROM" and "$" not in args:
