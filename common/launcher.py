@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from pydantic import SecretStr
@@ -222,11 +223,13 @@ class Run:
                     f"(the Redis listens on 127.0.0.1) with: GRPO_REDIS_PASSWORD=\"$(cat "
                     f"{q(str(self.redis_server.password_file))})\" {actor} -o redis.url={q(url)} -o run.name={q(name)} "
                     f"-o actor.id=actor-1 (each actor its own actor.id)")  # fmt: skip
-        # config.json holds the URL masked: one with a password inside comes from the operator's own settings.
-        where = f"-o redis.url={q(url)} " if mask_url(url) == url else ""
+        # config.json holds the URL masked, so the command names it; a password inside it is never printed: the
+        # actor gets the URL without it and the password from its environment (redis.password overrides the URL's).
+        secret = mask_url(url) != url
+        creds = "GRPO_REDIS_PASSWORD set to redis.url's password" if secret else "Redis credentials as for this command"
         return (f"run.actors=0: this runs the learner only; start each actor where Redis at {mask_url(url)} is "
-                f"reachable with: {actor} {where}-o run.name={q(name)} -o actor.id=actor-1 (each actor its own "
-                f"actor.id; Redis credentials as for this command)")  # fmt: skip
+                f"reachable with: {actor} -o redis.url={q(_without_password(url))} -o run.name={q(name)} "
+                f"-o actor.id=actor-1 (each actor its own actor.id; {creds})")  # fmt: skip
 
     def check_children(self) -> bool:
         """True once the learner has finished; raises ChildFailed when any child has died otherwise."""
@@ -354,6 +357,15 @@ class Run:
         new = [json.loads(line) for line in complete.splitlines() if line.strip()]
         self.rows.extend(new)
         return new
+
+
+def _without_password(url: str) -> str:
+    """``redis://user:secret@host/0?password=x`` → ``redis://user@host/0``: what may be printed of a URL."""
+    parts = urlsplit(url)
+    query = "&".join(p for p in parts.query.split("&") if p and not p.lower().startswith("password="))
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    netloc = f"{userinfo.split(':', 1)[0]}@{hosts}" if at and userinfo.split(":", 1)[0] else hosts
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def _mean(values: list[float]) -> float | None:

@@ -153,3 +153,15 @@ def test_a_hub_model_that_cannot_be_fetched_is_one_line(command: str, tmp_path: 
     args += [] if command == "run" else ["-o", "redis.url=redis://127.0.0.1:1/0", "-o", "redis.retries=0"]
     line = one_line(grpo(command, *args, cwd=tmp_path, timeout=60))
     assert line.startswith(f"grpo {command}: config error: model.path: no-such-org/no-such-model "), line
+
+
+def test_a_hub_that_cannot_be_reached_is_one_line_in_seconds(tmp_path: Path) -> None:
+    """Online, with the hub unreachable (its address a closed loopback port): one try, one line, exit 2 — not
+    transformers' minute of retries in every process and its traceback."""
+    from common.redis_server import free_port
+
+    env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HOME": str(tmp_path / "hf")}
+    args = ["-o", "model.path=no-such-org/no-such-model", "-o", f"run.dir={tmp_path / 'run'}"]
+    line = one_line(grpo("run", *args, cwd=tmp_path, env=env, timeout=60))
+    assert line.startswith("grpo run: config error: model.path: cannot fetch no-such-org/no-such-model from the "), line
+    assert not (tmp_path / "run").exists()

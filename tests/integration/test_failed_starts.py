@@ -4,6 +4,7 @@ and Redis before it touches the directory (no empty directory, no previous run r
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,23 @@ def test_a_refused_learner_leaves_no_run_dir(redis_url: str, tmp_path: Path, tin
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("grpo learner: config error: task.path"), done.stderr
     assert not run_dir.exists(), sorted(str(p) for p in run_dir.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://u:s3cret@redis.example:6379/0", "redis://u@redis.example:6379/0"),
+        ("redis://:s3cret@redis.example:6379/0?password=s3cret&db=0", "redis://redis.example:6379/0?db=0"),
+        ("redis://redis.example:6379/0", "redis://redis.example:6379/0"),
+    ],
+)
+def test_actors_zero_with_an_external_redis_names_a_url_that_works_and_no_password(
+    tmp_path: Path, url: str, shown: str
+) -> None:
+    """The printed command must work as printed: config.json holds the URL masked (``***``), so it passes the URL
+    itself, without its password, which the actor takes from GRPO_REDIS_PASSWORD."""
+    cfg = load_config(None, [f"redis.url={url}", f"run.dir={tmp_path / 'run'}", "run.actors=0"], env={})
+    line = Run(cfg).actors_to_start()
+    assert "s3cret" not in line
+    assert f"-o redis.url={shlex.quote(shown)} " in line
+    assert ("GRPO_REDIS_PASSWORD" in line) == (shown != url)

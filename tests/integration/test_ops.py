@@ -101,7 +101,7 @@ def test_queries_fail_fast_when_redis_is_unreachable(command: list[str], silent_
         line = _one_line(done)
         assert line.startswith(f"grpo {command[0]}: redis at ") and "is unreachable" in line, line
         assert "secret" not in line and done.stdout == ""
-        assert took < 15, f"{took:.1f}s: {line}"
+        assert took < 10, f"{took:.1f}s: {line}"  # one 3 s attempt, not redis.retries of them (27 s)
 
 
 def test_a_run_name_redis_never_saw_is_a_users_mistake(redis_url: str) -> None:

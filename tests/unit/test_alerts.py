@@ -89,9 +89,13 @@ def test_compose_prometheus_loads_the_rules_file_beside_it(tmp_path: Path) -> No
 
 
 def test_every_alert_waits_names_a_severity_and_says_what_to_do() -> None:
-    assert {"GRPOLearnerStalled", "GRPOStreamFull", "GRPOAllGroupsFiltered", "GRPOAccountingNotBalanced"} <= set(
-        rules()
-    )
+    assert {
+        "GRPOLearnerStalled",
+        "GRPOLearnerDown",
+        "GRPOStreamFull",
+        "GRPOAllGroupsFiltered",
+        "GRPOAccountingNotBalanced",
+    } <= set(rules())
     for name, rule in rules().items():
         assert rule.get("for"), f"{name}: no for:"
         assert rule["labels"]["severity"] in ("warning", "critical"), name
@@ -119,6 +123,23 @@ def test_learner_stalled_fires_on_a_step_that_stands_still_not_on_a_finished_run
         {"interval": "1m", "input_series": finished, "alert_rule_test": [
             at(55, "GRPOLearnerStalled"),
         ]},
+    ])  # fmt: skip
+
+
+def test_learner_down_fires_when_actors_run_without_a_learner(tmp_path: Path) -> None:
+    def inputs(learner_minutes: int) -> list[dict[str, str]]:
+        actors = [s for a in ACTORS for s in (series("grpo_actor_policy_version", a, "3x30"), build_info(a, 30))]
+        learner = series("grpo_learner_step", LEARNER, f"3x{learner_minutes}")
+        return [*actors, learner, build_info(LEARNER, learner_minutes)]
+
+    labels = {"run": RUN}
+    run_promtool_test(tmp_path, [
+        {"interval": "1m", "input_series": inputs(8), "alert_rule_test": [  # the learner's series end at minute 8
+            at(7, "GRPOLearnerDown"),
+            at(12, "GRPOLearnerDown"),  # gone (Prometheus forgets a series 5 minutes after its last sample), for: 5m
+            at(25, "GRPOLearnerDown", fired("GRPOLearnerDown", labels, "2")),
+        ]},
+        {"interval": "1m", "input_series": inputs(30), "alert_rule_test": [at(25, "GRPOLearnerDown")]},
     ])  # fmt: skip
 
 
