@@ -231,7 +231,7 @@ class Actor:
 
     def _reserve_round(self) -> bool:
         version, need = self.engine.version, self.cfg.actor.prompts_per_round
-        return self.transport.reserve_round(self.id, need, version, self.admission, self.cfg.actor.heartbeat_ttl_s)
+        return self.transport.reserve_round(self.id, need, version, self.admission, self.cfg.run.heartbeat_ttl_s)
 
     def _release_round(self) -> None:
         """Best effort, on the way out (Redis may be what failed): a reservation left behind ends with its lease."""
@@ -295,7 +295,7 @@ class Actor:
 
     def sample(self, problems: list[Problem]) -> list[list[Sample]]:
         t0 = time.perf_counter()
-        groups = self.engine.generate([self._encode_prompt(p) for p in problems], self.cfg.actor.group_size)
+        groups = self.engine.generate([self._encode_prompt(p) for p in problems], self.cfg.sampling.group_size)
         # Read after generating: weights change only between rounds, and a SGLang engine may learn from the replies
         # that its server holds another version than it was told.
         self.version_sampled = self.engine.version
@@ -308,7 +308,7 @@ class Actor:
 
     def grade(self, problems: list[Problem], groups: list[list[Sample]]) -> list[list[float]]:
         t0 = time.perf_counter()
-        n = self.cfg.actor.group_size
+        n = self.cfg.sampling.group_size
         result = self.grader.grade_samples(
             self.engine.tokenizer,
             [s for g in groups for s in g],
@@ -423,7 +423,7 @@ class Actor:
             now = time.monotonic()
             if now < self._next_heartbeat:
                 return
-            ttl = self.cfg.actor.heartbeat_ttl_s
+            ttl = self.cfg.run.heartbeat_ttl_s
             self._next_heartbeat = now + ttl / 3
             info = {"version": self.engine.version, "groups_sent": self.groups_sent, "rounds": self.rounds}
             self.transport.heartbeat(self.id, ttl, info)
@@ -435,7 +435,7 @@ class Actor:
         """The heartbeat thread: sampling and grading a round may take longer than the TTL, and an actor whose key
         expires leaves the NCCL update group (and ``grpo status``) while it works. A failed beat is logged and tried
         again; the loop meets the same Redis and decides whether to give up."""
-        every = self.cfg.actor.heartbeat_ttl_s / 6  # well within the third of the TTL a beat is due after
+        every = self.cfg.run.heartbeat_ttl_s / 6  # well within the third of the TTL a beat is due after
         while not self._beats_stop.wait(every):
             try:
                 self.heartbeat()
@@ -462,8 +462,8 @@ def run_actor(cfg: Config) -> int:
     metrics = ActorMetrics(registry)
     transport = Transport(cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc)
     transport.ping()
-    if cfg.actor.group_size <= 3:
-        log.warning("group size %d: with so few answers grader noise becomes a full ±1 advantage", cfg.actor.group_size)
+    if (g := cfg.sampling.group_size) <= 3:
+        log.warning("group size %d: with so few answers grader noise becomes a full ±1 advantage", g)
 
     actor: Actor | None = None
 
@@ -489,7 +489,7 @@ def run_actor(cfg: Config) -> int:
             "actor %s: engine %s, group size %d, %d prompts per round, metrics %s",
             actor_id,
             cfg.actor.engine,
-            cfg.actor.group_size,
+            cfg.sampling.group_size,
             cfg.actor.prompts_per_round,
             server.url,
         )

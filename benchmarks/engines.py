@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/engines.py [--quick] [--model DIR ...] [--out result.json]
 
 Each engine samples the same rounds an actor samples (``actor.prompts_per_round`` prompts of the demo task ×
-``actor.group_size``, at ``sampling.temperature``, up to ``sampling.max_new_tokens``), after one warm-up round, and
+``sampling.group_size``, at ``sampling.temperature``, up to ``sampling.max_new_tokens``), after one warm-up round, and
 the figure is completions/s and tokens/s of SGLang ÷ local's. Both engines get all of this machine's cores (the local
 engine's torch threads; the server's OpenMP threads). Models: the demo model (up to 4 new tokens, as the demo samples
 them; it ends its answers after about 3) and any ``--model`` given (an HF directory, e.g. a pretrained instruct
@@ -60,12 +60,12 @@ def case(name: str, overrides: list[str], rounds: int) -> dict:
         local = LocalEngine(cfg, seed=0)
         batches = rounds_of_prompts(cfg, local.tokenizer, rounds)
         result: dict = {"case": name, "prompts_per_round": cfg.actor.prompts_per_round,
-                        "group_size": cfg.actor.group_size, "max_new_tokens": cfg.sampling.max_new_tokens,
-                        "rounds": rounds, "local": measure(local, batches, cfg.actor.group_size)}  # fmt: skip
+                        "group_size": cfg.sampling.group_size, "max_new_tokens": cfg.sampling.max_new_tokens,
+                        "rounds": rounds, "local": measure(local, batches, cfg.sampling.group_size)}  # fmt: skip
         del local
         server = SGLangEngine(cfg, seed=0, name="b6")
         try:
-            result["sglang"] = measure(server, batches, cfg.actor.group_size)
+            result["sglang"] = measure(server, batches, cfg.sampling.group_size)
         finally:
             server.close()
     for key in ("completions_per_s", "tokens_per_s"):

@@ -83,7 +83,7 @@ def main() -> int:
     n_compute = n_params - model.get_input_embeddings().weight.numel()
     cfg = load_config(
         None,
-        [f"run.steps={args.steps + 1}", f"learner.batch_groups={args.groups}", f"actor.group_size={args.group_size}",
+        [f"run.steps={args.steps + 1}", f"learner.batch_groups={args.groups}", f"sampling.group_size={args.group_size}",
          f"sampling.max_new_tokens={args.completion_len}", f"learner.grad_accum={args.grad_accum}",
          f"model.device={args.device}", *args.override],
         env={},

@@ -45,7 +45,7 @@ DEFAULTS = [
     "task.eval_size=2",
     "actor.engine=sim",
     "actor.filter_zero_std=false",  # random tokens are all wrong: every group would be filtered
-    "actor.heartbeat_ttl_s=30",
+    "run.heartbeat_ttl_s=30",
     "grader.isolation=inline",
 ]
 

@@ -26,7 +26,7 @@ ROUND_S = 0.5  # one actor's round: PROMPTS groups every ROUND_S seconds, 4 grou
 COMMON = [
     "actor.engine=sim",
     "actor.filter_zero_std=false",  # random tokens all score 0: every group would be filtered
-    f"actor.group_size={GROUP}",
+    f"sampling.group_size={GROUP}",
     f"actor.prompts_per_round={PROMPTS}",
     f"actor.sim_tokens_per_s={PROMPTS * GROUP * (MAX_TOKENS + 1) / 2 / ROUND_S}",
     f"learner.batch_groups={BATCH}",
@@ -38,7 +38,7 @@ COMMON = [
     "learner.eval_every=1000000",
     "checkpoint.every=1000000",
     "grader.isolation=inline",
-    "actor.heartbeat_ttl_s=60",
+    "run.heartbeat_ttl_s=60",
 ]
 
 

@@ -96,7 +96,7 @@ def project(setting: Setting, model: Path, steps: int, seed: int, root: Path) ->
     )
     c = curves.curve(rows)
     cfg = setting.cfg(seed)
-    per_step = cfg.actor.group_size * cfg.learner.batch_groups
+    per_step = cfg.sampling.group_size * cfg.learner.batch_groups
     return _summary(setting, "project", seed, c, per_step * len(c["reward"]))  # every step trains a whole batch
 
 
@@ -139,7 +139,7 @@ def trl(setting: Setting, model_dir: Path, steps: int, seed: int, root: Path) ->
     torch.manual_seed(seed)
     cfg = setting.cfg(seed)
     sc, lc = cfg.sampling, cfg.learner
-    group, prompts, mini_batches = cfg.actor.group_size, lc.batch_groups, lc.updates_per_batch
+    group, prompts, mini_batches = cfg.sampling.group_size, lc.batch_groups, lc.updates_per_batch
     task = make_task(cfg.task, seed)  # the same training prompts and held-out problems as the project's run
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

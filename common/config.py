@@ -78,6 +78,12 @@ class RunConfig(_Section):
         "WANDB_MODE=offline for no network)",
     )
     wandb_project: str = Field("grpo-pipeline", description="run.trackers wandb: the W&B project; the run is run.name")
+    heartbeat_ttl_s: float = Field(
+        15.0,
+        gt=0,
+        description="an actor's heartbeat key (actors:<id>) expires this long after its last beat: actors beat, the "
+        "learner (weights.transport nccl) and grpo status count live actors by them",
+    )
 
 
 class RedisConfig(_Section):
@@ -216,6 +222,12 @@ def template_fields(template: str) -> list[str]:
 
 class SamplingConfig(_Section):
     # The learner recomputes log-probs at the same temperature, so these live in one shared section.
+    group_size: int = Field(
+        8,
+        ge=2,
+        description="completions per prompt (G): actors sample this many, the learner trains groups of exactly "
+        "this many; below 2 there is no baseline",
+    )
     temperature: float = Field(1.0, gt=0, description="sampling temperature; the learner scores at the same one")
     top_p: float = Field(1.0, gt=0, le=1, description="must stay 1: behaviour log-probs assume no truncation")
     top_k: int = Field(-1, ge=-1, description="-1 = off; must stay off, as top_p")
@@ -307,7 +319,6 @@ class ActorConfig(_Section):
         "a batch (actor.prompts_per_round >= learner.batch_groups, actor.filter_zero_std off) and one actor, or the "
         "learner would wait for groups that actors waiting for its weights never send",
     )
-    group_size: int = Field(8, ge=2, description="completions per prompt (G); below 2 there is no baseline")
     prompts_per_round: int = Field(16, ge=1, description="prompts generated together in one engine call")
     filter_zero_std: bool = Field(True, description="DAPO dynamic sampling: drop groups whose rewards are all equal")
     max_consecutive_filtered: int = Field(
@@ -321,7 +332,6 @@ class ActorConfig(_Section):
         description="backpressure: actors wait while the stream holds this many unread groups; 0 = 2 x batch_groups "
         "(fewer still when the learner could not train them within learner.max_staleness)",
     )
-    heartbeat_ttl_s: float = Field(15.0, gt=0, description="the actors:<id> key expires this long after a beat")
     stop_send_timeout_s: float = Field(
         60.0,
         ge=0,
@@ -587,7 +597,7 @@ class Config(_Section):
                 "actor.synchronous: each round must fill a batch (actor.prompts_per_round >= learner.batch_groups) "
                 "and none of it may be filtered (actor.filter_zero_std=false), or the learner waits forever"
             )
-        rows = self.learner.batch_groups * self.actor.group_size
+        rows = self.learner.batch_groups * self.sampling.group_size
         if rows < self.learner.updates_per_batch * self.learner.grad_accum:
             raise ValueError(
                 f"learner.updates_per_batch x learner.grad_accum ({self.learner.updates_per_batch} x "
@@ -676,12 +686,18 @@ def _is_text_key(key: str) -> bool:
     return node is str
 
 
+# Keys that moved to a shared section, because both roles read them (a role reads only its own section and the
+# shared ones): an older config names the new place instead of failing with a guess.
+MOVED = {"actor.group_size": "sampling.group_size", "actor.heartbeat_ttl_s": "run.heartbeat_ttl_s"}
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "config"
         if e["type"] == "extra_forbidden":
-            lines.append(f"config error: {field}: unknown key{_suggestion(e['loc'])}")
+            hint = f"; it is {MOVED[field]} now" if field in MOVED else _suggestion(e["loc"])
+            lines.append(f"config error: {field}: unknown key{hint}")
             continue
         got = e.get("input")
         shown = "" if isinstance(got, dict) or e["type"] == "missing" else f" (got {got!r})"

@@ -111,7 +111,7 @@ class Progress:
         lc = self.cfg.learner
         kl = f"KL penalty beta={lc.beta}" if lc.beta > 0 else "KL penalty off (beta = 0)"
         self.console.print(
-            f"  {self.cfg.run.steps} steps of {lc.batch_groups} groups x {self.cfg.actor.group_size}, "
+            f"  {self.cfg.run.steps} steps of {lc.batch_groups} groups x {self.cfg.sampling.group_size}, "
             f"loss {lc.loss_type}, lr {lc.lr:g}, {kl}"
         )
 

@@ -255,7 +255,7 @@ def message_byte_limit(cfg: Config) -> int:
     if cfg.redis.max_message_bytes:
         return cfg.redis.max_message_bytes
     prompt = cfg.task.max_prompt_tokens or _positions(cfg.model.path) or 32_768
-    g = cfg.actor.group_size
+    g = cfg.sampling.group_size
     return 2 * (12 * (prompt + g * cfg.sampling.max_new_tokens) + 64 * g) + 64 * 1024
 
 

@@ -169,7 +169,7 @@ class Broadcaster:
     # -- the training loop's side -------------------------------------------------------------------------------
 
     def members(self) -> dict[str, dict[str, Any]]:
-        return self.transport.nccl_members(self.cfg.actor.heartbeat_ttl_s)
+        return self.transport.nccl_members(self.cfg.run.heartbeat_ttl_s)
 
     def submit(self, version: int, snap: Snapshot) -> None:
         with self._cv:

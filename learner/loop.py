@@ -477,7 +477,7 @@ class Learner:
 
     def refusal(self, msg: GroupMessage) -> DropReason | None:
         """Why a valid group cannot be trained on now, or None."""
-        if len(msg.completions) != self.cfg.actor.group_size:
+        if len(msg.completions) != self.cfg.sampling.group_size:
             return "group_size"
         # In learner steps along this policy's lineage: "lineage" for weights of a dead branch (published by a
         # learner that crashed after its checkpoint), "future" for weights this learner has not reached.
@@ -727,7 +727,7 @@ def run_learner(cfg: Config) -> int:
     try:
         if ranks is not None:
             lc = cfg.learner
-            smallest = lc.batch_groups * cfg.actor.group_size // (lc.updates_per_batch * lc.grad_accum)
+            smallest = lc.batch_groups * cfg.sampling.group_size // (lc.updates_per_batch * lc.grad_accum)
             if smallest < ranks.world:  # every rank needs rows of every micro-batch (one forward each)
                 raise ConfigError(
                     f"config error: learner.batch_groups: micro-batches of {smallest} completions cannot be split "
@@ -777,7 +777,7 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
         lc.epsilon_high,
         lc.lr,
         lc.batch_groups,
-        cfg.actor.group_size,
+        cfg.sampling.group_size,
         f"KL penalty beta={lc.beta}" if lc.beta > 0 else "KL penalty off (beta = 0): no reference model is loaded",
         f"; FSDP2 over {ranks.world} ranks" if ranks is not None else "",
     )

@@ -29,7 +29,7 @@ def test_the_gsm8k_recipe_runs_on_cpu_with_the_tiny_model(shared_dir: Path, tmp_
         "-o", "task.eval_size=4", "-o", f"run.dir={run_dir}", "-o", "weights.dir=", "-o", "metrics.host=127.0.0.1",
     ]  # fmt: skip
     small = [
-        "-o", "run.steps=3", "-o", "learner.batch_groups=2", "-o", "actor.group_size=4",
+        "-o", "run.steps=3", "-o", "learner.batch_groups=2", "-o", "sampling.group_size=4",
         "-o", "actor.prompts_per_round=2", "-o", "learner.updates_per_batch=1", "-o", "learner.grad_accum=2",
         "-o", "actor.max_consecutive_filtered=1", "-o", "learner.warmup_steps=0",
     ]  # fmt: skip

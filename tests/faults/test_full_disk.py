@@ -51,7 +51,7 @@ def start(processes, args: list[str], log: Path, preexec: Callable[[], None] | N
 def learner_args(url: str, model: Path, run_dir: Path) -> list[str]:
     values = [
         f"redis.url={url}", f"model.path={model}", f"run.dir={run_dir}", "run.name=disk", "run.steps=4",
-        "learner.batch_groups=2", "actor.group_size=4", "task.eval_size=2", "learner.max_staleness=100",
+        "learner.batch_groups=2", "sampling.group_size=4", "task.eval_size=2", "learner.max_staleness=100",
         "learner.eval_every=1000", "checkpoint.every=2", "weights.dtype=float32",
     ]  # fmt: skip
     return ["learner", *[a for v in values for a in ("-o", v)]]

@@ -32,7 +32,7 @@ def test_an_actor_killed_and_one_added_while_weights_go_over_nccl(  # type: igno
     settings = [
         f"redis.url={redis.url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", "run.name=nccl",
         f"run.steps={STEPS}", "learner.batch_groups=4", "learner.eval_every=1000", "learner.max_staleness=4",
-        "actor.group_size=4", "actor.prompts_per_round=2", "actor.heartbeat_ttl_s=2", "actor.filter_zero_std=false",
+        "sampling.group_size=4", "actor.prompts_per_round=2", "run.heartbeat_ttl_s=2", "actor.filter_zero_std=false",
         "task.eval_size=5", "grader.isolation=inline", "checkpoint.every=4", "weights.transport=nccl",
         "weights.nccl_backend=gloo", "weights.nccl_address=127.0.0.1", "weights.nccl_timeout_s=4",
         "weights.disk_every=0", "actor.engine=sglang", "sglang.launch_module=tests.sglang_standin",

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow]
 def settings(url: str, model: Path, run_dir: Path, steps: int) -> list[str]:
     values = [
         f"redis.url={url}", f"model.path={model}", f"run.dir={run_dir}", "run.name=torn", f"run.steps={steps}",
-        "learner.batch_groups=2", "actor.group_size=4", "task.eval_size=2", "learner.max_staleness=100",
+        "learner.batch_groups=2", "sampling.group_size=4", "task.eval_size=2", "learner.max_staleness=100",
         "learner.eval_every=1000", "checkpoint.every=2", "checkpoint.keep=3",
     ]  # fmt: skip
     return [a for v in values for a in ("-o", v)]

@@ -48,7 +48,8 @@ def test_absurd_logprobs_are_dead_lettered_and_nonfinite_updates_are_skipped_and
     t.produce([group(tok, lp) for lp in [-1e30] * 2 + [-1e4] * 2 + [-0.7] * 4])  # each its own group id
     settings = [
         f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", "run.name=absurd",
-        "run.steps=3", "learner.batch_groups=2", "actor.group_size=4", "task.eval_size=2", "learner.max_staleness=100",
+        "run.steps=3", "learner.batch_groups=2", "sampling.group_size=4", "task.eval_size=2",
+        "learner.max_staleness=100",
         "learner.old_logprobs=behavior", "learner.updates_per_batch=2", "learner.eval_every=1000",
     ]  # fmt: skip
     proc = processes.grpo("learner", *[a for o in settings for a in ("-o", o)], log=tmp_path / "learner.log")

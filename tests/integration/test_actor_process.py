@@ -33,7 +33,7 @@ def actor_args(model: Path, run_dir: Path, url: str, *extra: str) -> list[str]:
         "-o", "learner.batch_groups=8",
         "-o", "actor.max_stream_groups=16",
         "-o", "actor.prompts_per_round=4",
-        "-o", "actor.heartbeat_ttl_s=3",
+        "-o", "run.heartbeat_ttl_s=3",
         *extra,
     ]  # fmt: skip
 

@@ -57,7 +57,7 @@ def learner_command(world: int) -> list[str]:
 def train(processes, world: int, url: str, model: Path, root: Path, run: str, steps: int, *extra: str) -> list[dict]:  # type: ignore[no-untyped-def]
     settings = [*extra,
         f"redis.url={url}", f"model.path={model}", f"run.name={run}", f"run.dir={root / run}", f"run.steps={steps}",
-        f"actor.group_size={GROUP}", f"learner.batch_groups={BATCH}", "learner.updates_per_batch=2",
+        f"sampling.group_size={GROUP}", f"learner.batch_groups={BATCH}", "learner.updates_per_batch=2",
         "learner.grad_accum=2", "learner.lr=1e-3", "learner.max_staleness=10", "learner.eval_every=1000",
         "task.eval_size=5", "checkpoint.every=1", "metrics.port=0",
     ]  # fmt: skip
@@ -126,7 +126,7 @@ def test_micro_batches_too_small_to_split_are_refused_in_one_line(
     log = tmp_path / "learner.log"
     settings = [
         f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}",
-        "actor.group_size=2", "learner.batch_groups=2", "learner.updates_per_batch=2", "learner.grad_accum=2",
+        "sampling.group_size=2", "learner.batch_groups=2", "learner.updates_per_batch=2", "learner.grad_accum=2",
     ]  # fmt: skip
     proc = processes.start([*learner_command(2), *[a for o in settings for a in ("-o", o)]], log)
     assert proc.wait(timeout=120) != 0
@@ -141,7 +141,7 @@ def test_sigterm_to_torchrun_checkpoints_the_last_step_and_loses_nothing(
     signal, by its own design; the learner's state is what matters)."""
     settings = [
         f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", "run.steps=100000",
-        f"actor.group_size={GROUP}", f"learner.batch_groups={BATCH}", "actor.prompts_per_round=4", "metrics.port=0",
+        f"sampling.group_size={GROUP}", f"learner.batch_groups={BATCH}", "actor.prompts_per_round=4", "metrics.port=0",
         "task.eval_size=5", "checkpoint.every=1000",
     ]  # fmt: skip
     args = [a for o in settings for a in ("-o", o)]
@@ -175,7 +175,7 @@ def test_rank_zero_sends_weights_over_an_update_group_beside_the_training_group(
     steps = 6
     settings = [
         f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", f"run.steps={steps}",
-        f"actor.group_size={GROUP}", f"learner.batch_groups={BATCH}", "actor.prompts_per_round=4", "metrics.port=0",
+        f"sampling.group_size={GROUP}", f"learner.batch_groups={BATCH}", "actor.prompts_per_round=4", "metrics.port=0",
         "task.eval_size=5", "learner.max_staleness=10", "actor.filter_zero_std=false", "weights.transport=nccl",
         "weights.nccl_backend=gloo", "weights.nccl_address=127.0.0.1", "weights.disk_every=0", "run.log_level=DEBUG",
         "weights.nccl_timeout_s=30",

@@ -45,7 +45,7 @@ def test_a_killed_learners_lost_steps_are_trained_again_and_its_dead_branch_drop
     run_dir = tmp_path / "run"
     settings = [
         f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "run.name=lineage",
-        "run.steps=6", "learner.batch_groups=2", "actor.group_size=4", "task.eval_size=2", "learner.eval_every=1000",
+        "run.steps=6", "learner.batch_groups=2", "sampling.group_size=4", "task.eval_size=2", "learner.eval_every=1000",
         "learner.max_staleness=1", "checkpoint.every=2",
     ]  # fmt: skip
     args = [a for o in settings for a in ("-o", o)]
@@ -111,7 +111,7 @@ def test_a_learner_whose_checkpoints_are_another_runs_than_redis_holds_exits_2(
     t.produce([group(tok, 0) for _ in range(2)])
     t.read("other-learner", 2, 0)
     settings = [f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}",
-                "run.name=two", "run.steps=2", "learner.batch_groups=2", "actor.group_size=4",
+                "run.name=two", "run.steps=2", "learner.batch_groups=2", "sampling.group_size=4",
                 "task.eval_size=2"]  # fmt: skip
     proc = processes.grpo("learner", *[a for o in settings for a in ("-o", o)], log=tmp_path / "second.log")
     assert proc.wait(timeout=180) == 2

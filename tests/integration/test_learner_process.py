@@ -50,7 +50,7 @@ def run_learner(processes, url: str, model: Path, tmp: Path, run: str, steps: in
         f"run.name={run}",
         f"run.steps={steps}",
         "learner.batch_groups=2",
-        "actor.group_size=4",
+        "sampling.group_size=4",
         "task.eval_size=5",
         *overrides,
     ]
@@ -184,7 +184,8 @@ def test_a_flood_of_malformed_messages_into_a_live_learner(
     t = Transport(RedisConfig(url=redis_url), "flood")
     settings = [
         f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", "run.name=flood",
-        "run.steps=6", "learner.batch_groups=2", "actor.group_size=4", "task.eval_size=2", "learner.max_staleness=100",
+        "run.steps=6", "learner.batch_groups=2", "sampling.group_size=4", "task.eval_size=2",
+        "learner.max_staleness=100",
     ]  # fmt: skip
     proc = processes.grpo("learner", *[a for o in settings for a in ("-o", o)], log=tmp_path / "learner.log")
     assert wait_until(lambda: t.latest_weights() is not None, 120), (tmp_path / "learner.log").read_text()
@@ -219,7 +220,8 @@ def test_sigterm_checkpoints_and_a_new_learner_resumes(
     t = Transport(RedisConfig(url=redis_url), "resume")
     settings = [
         f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", "run.name=resume",
-        "run.steps=5", "learner.batch_groups=2", "actor.group_size=4", "task.eval_size=2", "learner.max_staleness=100",
+        "run.steps=5", "learner.batch_groups=2", "sampling.group_size=4", "task.eval_size=2",
+        "learner.max_staleness=100",
         "checkpoint.every=3",
     ]  # fmt: skip
     args = [a for o in settings for a in ("-o", o)]

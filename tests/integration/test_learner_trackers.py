@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def learner(processes, url: str, model: Path, tmp: Path, steps: int, log: str) -> None:  # type: ignore[no-untyped-def]
     settings = [
         f"redis.url={url}", f"model.path={model}", f"run.dir={tmp / 'run'}", "run.name=tracked", f"run.steps={steps}",
-        "run.trackers=[tensorboard, wandb]", "learner.batch_groups=2", "actor.group_size=4", "task.eval_size=2",
+        "run.trackers=[tensorboard, wandb]", "learner.batch_groups=2", "sampling.group_size=4", "task.eval_size=2",
         "learner.max_staleness=100", "checkpoint.every=1",
     ]  # fmt: skip
     proc = processes.grpo("learner", *[a for o in settings for a in ("-o", o)], log=tmp / log, env=wandb_env(tmp))

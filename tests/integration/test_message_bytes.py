@@ -82,7 +82,7 @@ def test_the_default_limit_follows_the_models_limits(tiny_model_dir) -> None:  #
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "sampling.max_new_tokens=64"], env={})
     positions = max_positions(str(tiny_model_dir))
     assert positions
-    g = cfg.actor.group_size
+    g = cfg.sampling.group_size
     assert message_byte_limit(cfg) == 2 * (12 * (positions + g * 64) + 64 * g) + 64 * 1024
     set_by_hand = load_config(None, [f"model.path={tiny_model_dir}", "redis.max_message_bytes=5000"], env={})
     assert message_byte_limit(set_by_hand) == 5000

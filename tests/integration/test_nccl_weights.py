@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TIMEOUT_S = 4.0
 NCCL = ["-o", "weights.transport=nccl", "-o", "weights.nccl_backend=gloo", "-o", "weights.nccl_address=127.0.0.1",
-        "-o", f"weights.nccl_timeout_s={TIMEOUT_S}", "-o", "actor.heartbeat_ttl_s=2", "-o", "actor.group_size=4",
+        "-o", f"weights.nccl_timeout_s={TIMEOUT_S}", "-o", "run.heartbeat_ttl_s=2", "-o", "sampling.group_size=4",
         "-o", "sampling.max_new_tokens=4"]  # fmt: skip
 
 
@@ -68,7 +68,7 @@ def test_versions_reach_every_member_the_group_follows_members_and_a_laggard_sen
     tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
 ) -> None:
     cfg = Config.model_validate({
-        "run": {"name": "it"}, "actor": {"heartbeat_ttl_s": 2},
+        "run": {"name": "it", "heartbeat_ttl_s": 2},
         "weights": {"transport": "nccl", "nccl_backend": "gloo", "nccl_address": "127.0.0.1",
                     "nccl_timeout_s": TIMEOUT_S, "nccl_bucket_mb": 0.05},
     })  # fmt: skip

@@ -61,7 +61,7 @@ def test_two_learner_steps_on_what_an_actor_sampled(smollm2_dir: Path, tmp_path:
     assert engine.version == version == 2
     encode = PromptEncoder(engine.tokenizer, cfg.task)
     prompts = [encode(p.prompt) for p in make_task(cfg.task, 0).train[:2]]
-    groups = engine.generate(prompts, cfg.actor.group_size)
+    groups = engine.generate(prompts, cfg.sampling.group_size)
     assert [len(g) for g in groups] == [8, 8]
     for s in (s for g in groups for s in g):
         assert 1 <= len(s.token_ids) == len(s.logprobs) <= cfg.sampling.max_new_tokens

@@ -21,7 +21,7 @@ def trainer(tiny_model_dir: Path) -> Trainer:
     from common.models import load_pretrained
 
     _, model = load_pretrained(str(tiny_model_dir), "float32", "cpu")
-    return Trainer(load_config(overrides=["actor.group_size=4"], env={}), model, pad_id=0)
+    return Trainer(load_config(overrides=["sampling.group_size=4"], env={}), model, pad_id=0)
 
 
 def save(t: Trainer, root: Path, step: int, keep: int = 5) -> Path:

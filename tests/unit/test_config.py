@@ -41,7 +41,7 @@ def test_yaml_then_env_then_overrides(tmp_path: Path) -> None:
     [
         ("learner.lr=-1", "learner.lr"),
         ("learner.lrr=1", "learner.lrr"),
-        ("actor.group_size=1", "actor.group_size"),
+        ("sampling.group_size=1", "sampling.group_size"),
         ("learner.loss_type=ppo", "learner.loss_type"),
         ("sampling.top_p=0.9", "sampling"),
         ("run.name=has space", "run.name"),
@@ -331,3 +331,12 @@ def test_a_hub_name_is_checked_against_what_the_hub_has(tmp_path: Path, monkeypa
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize(("old", "new"), [("actor.group_size", "sampling.group_size"),
+                                          ("actor.heartbeat_ttl_s", "run.heartbeat_ttl_s")])  # fmt: skip
+def test_a_key_that_moved_names_its_new_place(old: str, new: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{old}=4"], env={})
+    assert str(e.value) == f"config error: {old}: unknown key; it is {new} now"
+    assert getattr(getattr(load_config(None, [f"{new}=4"], env={}), new.split(".")[0]), new.split(".")[1]) == 4

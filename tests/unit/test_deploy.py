@@ -147,7 +147,7 @@ def test_the_gsm8k_recipe_is_deepseekmaths_experiment_for_compose() -> None:
         "dataset", "openai/gsm8k", "main", "train", "test", 0
     )  # fmt: skip
     assert "{question}" in t.prompt_template and "####" in t.prompt_template and cfg.grader.name == "gsm8k"
-    assert 8 <= cfg.actor.group_size <= 16 and 5e-7 <= lc.lr <= 2e-6 and lc.beta == 0.0
+    assert 8 <= cfg.sampling.group_size <= 16 and 5e-7 <= lc.lr <= 2e-6 and lc.beta == 0.0
     assert (lc.loss_type, lc.epsilon_low, lc.epsilon_high) == ("dapo", 0.2, 0.28) and cfg.actor.filter_zero_std
     # Mixed precision: float32 parameters (1e-6 updates survive), bfloat16 compute and published weights.
     assert (cfg.model.dtype, lc.autocast, cfg.weights.dtype) == ("float32", "bfloat16", "bfloat16")

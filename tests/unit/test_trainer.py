@@ -53,7 +53,7 @@ def groups_of(tok, model, versions: list[int], group: int = 4, truncated: bool =
 
 
 def trainer_for(model, *overrides: str) -> Trainer:  # type: ignore[no-untyped-def]
-    cfg = load_config(overrides=["learner.lr=1e-3", "actor.group_size=4", *overrides], env={})
+    cfg = load_config(overrides=["learner.lr=1e-3", "sampling.group_size=4", *overrides], env={})
     return Trainer(cfg, copy.deepcopy(model), pad_id=0)
 
 
