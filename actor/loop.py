@@ -24,9 +24,9 @@ import torch
 from actor.engine import Engine, EngineError, make_engine
 from actor.filter import Decision, ZeroStdFilter, filtered_stats
 from actor.nccl import NcclEngine, Receiver, supports_nccl
+from common.advantages import overlong_penalty
 from common.config import Config
 from common.generation import Sample
-from common.grpo import overlong_penalty
 from common.metrics import ActorMetrics, MetricsServer, process_registry, register_endpoint
 from common.model_import import prepare_model_path
 from common.models import max_positions
@@ -378,9 +378,9 @@ class Actor:
         self.transport.produce([], dict(counters), holder=self.id, filtered=filtered)
 
     def shaped(self, samples: list[Sample], rewards: list[float]) -> list[float]:
-        """The rewards the learner will compute advantages from (common.grpo.overlong_penalty added), so that a group
-        whose answers are all right but differ in length is not filtered as if it carried no signal. The wire keeps
-        the grader's rewards; the learner applies the same penalty."""
+        """The rewards the learner will compute advantages from (common.advantages.overlong_penalty added), so that a
+        group whose answers are all right but differ in length is not filtered as if it carried no signal. The wire
+        keeps the grader's rewards; the learner applies the same penalty."""
         s = self.cfg.shaping
         if not s.enabled():
             return rewards

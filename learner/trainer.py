@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from common.advantages import group_advantages, overlong_penalty
 from common.config import Config
-from common.grpo import group_advantages, overlong_penalty
 from common.schemas import GroupMessage
 from learner.batch import Batch, assemble, sampled_reward_stats
 from learner.distributed import Ranks

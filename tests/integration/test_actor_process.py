@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.config import RedisConfig
-from common.grpo import token_logprobs
+from common.logprobs import token_logprobs
 from common.procs import wait_until
 from common.schemas import decode_group
 from common.transport import Transport

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actor.sglang_engine import SGLangEngine, generate_request
-from common.grpo import token_logprobs
+from common.logprobs import token_logprobs
 from common.models import load_pretrained
 from common.weights import WeightsError, publish
 from tests.conftest import wrong_shaped_copy

@@ -1,4 +1,5 @@
-"""common.grpo.group_advantages against the seed's worked example and a plain loop."""
+"""common.advantages.group_advantages against the seed's worked example and a plain loop, and
+common.logprobs.token_logprobs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import random
 import pytest
 import torch
 
-from common.grpo import group_advantages, token_logprobs
+from common.advantages import group_advantages
+from common.logprobs import token_logprobs
 
 
 def test_seed_table() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.generation import generate, split_at_stop, stop_token_ids
-from common.grpo import token_logprobs
+from common.logprobs import token_logprobs
 
 
 def test_tiny_model_reloads_offline_with_auto_classes(tiny_model_dir: Path) -> None:

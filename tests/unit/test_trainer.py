@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from common.advantages import group_advantages, overlong_penalty
 from common.config import load_config
-from common.grpo import group_advantages, overlong_penalty
 from common.schemas import Completion, GroupMessage
 from learner.batch import assemble
 from learner.trainer import Trainer
