@@ -13,16 +13,13 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
+from common import grader_names
 from grader import builtin
 
 Grader = Callable[[str, str], float]
 
-GRADERS: dict[str, Grader] = {
-    "addition": builtin.addition,
-    "exact": builtin.exact,
-    "gsm8k": builtin.gsm8k,
-    "math": builtin.math,
-}
+# Built from the one list of names the config accepts; each plain grader is the function of its name in builtin.
+GRADERS: dict[str, Grader] = {name: getattr(builtin, name) for name in grader_names.PLAIN}
 
 
 def get_grader(name: str) -> Grader:
@@ -48,15 +45,15 @@ def build_grader(spec: str | Mapping[str, Any]) -> Grader:
     if isinstance(spec, str):
         return get_grader(spec)
     name = spec["name"]
-    if name == "regex":
+    if name == grader_names.REGEX:
         pattern = re.compile(spec["pattern"], re.DOTALL)
         if pattern.groups != 1:
             raise KeyError(f"grader regex: the pattern needs exactly one group (the answer), it has {pattern.groups}")
         return functools.partial(builtin.regex, pattern=pattern)
-    if name == "format":
+    if name == grader_names.FORMAT:
         return functools.partial(builtin.format_match, pattern=re.compile(spec.get("pattern") or builtin.DEFAULT_FORMAT,
                                                                           re.DOTALL))  # fmt: skip
-    if name == "combine":
+    if name == grader_names.COMBINE:
         parts = [(build_grader(c), float(c.get("weight", 1.0))) for c in spec.get("components") or []]
         total = sum(w for _, w in parts)
         if not parts or total <= 0:

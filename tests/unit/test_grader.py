@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.generation import Sample
-from grader import GRADERS, get_grader
+from grader import GRADERS, build_grader, get_grader
 from grader.builtin import gsm8k, gsm8k_final_answer, normalise_number
 from grader.pool import GraderPool
 
@@ -225,6 +225,22 @@ def test_grader_options_are_checked_in_the_config() -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(overrides=overrides, env={})
+
+
+def test_every_grader_the_config_accepts_is_built_and_no_other() -> None:
+    """The names come from one list (common.grader_names): each one the config takes for grader.name builds a grader,
+    and a name the registry does not know is refused by the config, not discovered by the first actor."""
+    from common import grader_names
+    from common.config import ConfigError, GraderConfig, load_config
+
+    assert set(GRADERS) == set(grader_names.PLAIN)
+    for name in (*grader_names.BUILTIN, grader_names.COMBINE):
+        components = [{"name": "exact"}] if name == grader_names.COMBINE else []
+        pattern = "(\\d+)" if name == grader_names.REGEX else ""
+        spec = GraderConfig(name=name, pattern=pattern, components=components).spec()
+        assert build_grader(spec)("7", "7") in (0.0, 1.0), name
+    with pytest.raises(ConfigError, match=r"grader\.name: String should match pattern"):
+        load_config(overrides=["grader.name=gsm9k"], env={})
 
 
 def gsm8k_rows(shared_dir: Path, split: str) -> list[dict]:
