@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -737,6 +738,9 @@ class Transport:
         reply: Any = self._do(lambda: self.client.xrange(self.keys.dead, min=start, count=count))
         return [StreamEntry(as_text(i), f) for i, f in reply]
 
+    def dead_letter_count(self) -> int:
+        return int(self._do(lambda: self.client.xlen(self.keys.dead)))
+
     def replay_dead(self, dead_id: str) -> str | None:
         """Put a dead letter's payload back into the groups stream (counted as produced and as
         ``groups_replayed``) and remove it from the dead stream, atomically. None if there is no such entry;
@@ -892,6 +896,37 @@ class Transport:
 
     def stats(self) -> dict[str, int]:
         return {as_text(k): int(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.stats)).items()}
+
+    def started_signs(self) -> tuple[bool, int]:
+        """Whether weights are announced (the learner has loaded its model) and how many groups actors have sent:
+        one round trip, for a view of the run's start-up."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.exists(self.keys.weights_latest)
+        pipe.hget(self.keys.stats, "groups_produced")
+        announced, produced = self._do(pipe.execute)
+        return bool(announced), int(produced or 0)
+
+    def run_seen(self) -> bool:
+        """Whether Redis holds any key of this run: its identity (a learner started), counters or stream (an actor
+        sent groups), the prompt cursor or a reserved round (an actor is sampling its first), dead letters, an
+        announcement or the done mark. One EXISTS: the keys share one slot."""
+        k = self.keys
+        keys = (k.identity, k.stats, k.groups, k.prompts_cursor, k.inflight, k.dead, k.weights_latest, k.done,
+                k.filtered)  # fmt: skip
+        return bool(self._do(lambda: self.client.exists(*keys)))
+
+    def run_names(self, max_scans: int) -> list[str]:
+        """The names of the runs with keys in this Redis, sorted, from at most ``max_scans`` SCAN calls of 1000 keys:
+        a hint, not an inventory. ``redis.ResponseError`` where this user may not SCAN (an ACL user limited to its
+        run's keys)."""
+        names: set[str] = set()
+        cursor = 0
+        for _ in range(max_scans):
+            cursor, found = self.client.scan(cursor, match="grpo:{*}:*", count=1000)
+            names.update(m.group(1) for key in found if (m := re.match(r"grpo:\{(.*?)\}:", as_text(key))))
+            if cursor == 0:
+                break
+        return sorted(names)
 
     def delete_run(self) -> None:
         """Remove every key of this run (used before a fresh run under a reused name)."""
