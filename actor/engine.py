@@ -1,9 +1,10 @@
-"""Generation engines. Every engine returns, per prompt, ``group_size`` :class:`common.generation.Sample` s
-(token ids, behaviour log-probs at the sampling temperature, finish reason) and can load a published version.
+"""The in-process generation engines and the factory that picks the configured one. Each meets
+:class:`actor.engine_protocol.Engine`: per prompt, ``group_size`` :class:`common.generation.Sample` s (token ids,
+behaviour log-probs at the sampling temperature, finish reason), and it can load a published version.
 
 ``local``: transformers on this process's CPU or GPU (the embedded default). ``sim``: no model at all, random tokens
 at ``actor.sim_tokens_per_s``, for load tests of the pipeline around the engine. The ``sglang`` engine (a client of
-a SGLang server) returns the same type.
+a SGLang server, :mod:`actor.sglang_engine`) returns the same type.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
+from actor.engine_protocol import Engine
 from common.config import Config
 from common.generation import Sample, generate, pad_token_id, stop_token_ids
 from common.models import load_pretrained
@@ -25,27 +27,6 @@ from common.weight_sync import Round, abort_group, close_group, open_group, unfl
 from common.weights import WeightsError, load_into, load_state_dict
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """The engine's server is unreachable or answered something the actor cannot use."""
-
-
-class Engine(Protocol):
-    version: int
-    tokenizer: Any
-
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
-        """``n`` samples per prompt at ``sampling.temperature``; ``greedy`` for the likeliest answer (evaluation)."""
-        ...
-
-    def load(self, ann: WeightsAnnouncement) -> int:
-        """Load a published version; returns the bytes read."""
-        ...
-
-    def close(self) -> None:
-        """Release what the engine started (a server it launched)."""
-        ...
 
 
 class LocalEngine:

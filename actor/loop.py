@@ -2,15 +2,13 @@
 
 Each step is one short method; the loop ends when the learner marks the run done, on SIGTERM/SIGINT (after the
 current round: a round's groups are sent in one transaction, never half, waiting up to ``actor.stop_send_timeout_s``
-for room), or on an error that is not retried.
+for room), or on an error that is not retried. The process around it (Redis, metrics, grader, engine) is
+:mod:`actor.process`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import socket
 import threading
 import time
 from collections import Counter
@@ -19,22 +17,19 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-import torch
 
-from actor.engine import Engine, EngineError, make_engine
+from actor.engine_protocol import Engine
 from actor.filter import Decision, ZeroStdFilter, filtered_stats
 from actor.nccl import NcclEngine, Receiver, supports_nccl
 from common.advantages import overlong_penalty
 from common.config import Config
 from common.generation import Sample
-from common.metrics import ActorMetrics, MetricsServer, process_registry, register_endpoint
-from common.model_import import prepare_model_path
-from common.models import max_positions
+from common.metrics import ActorMetrics
 from common.schemas import Completion, FilteredStats, GroupMessage, SchemaError, WeightsAnnouncement, encode_group
 from common.tasks import Problem, PromptEncoder, make_task
 from common.transport import Admission, Transport, message_byte_limit, round_fits
 from common.weights import WeightsError
-from grader.pool import GraderPool, open_grader
+from grader.pool import GraderPool
 
 log = logging.getLogger("actor")
 
@@ -441,69 +436,3 @@ class Actor:
                 self.heartbeat()
             except Exception as e:
                 log.warning("heartbeat failed: %s", e)
-
-
-# -- the process ------------------------------------------------------------------------------------------------
-
-
-def prompt_token_limit(cfg: Config) -> int | None:
-    """``task.max_prompt_tokens``, or the model's positions less the answer's room; None when unknown."""
-    if cfg.task.max_prompt_tokens:
-        return cfg.task.max_prompt_tokens
-    positions = max_positions(cfg.model.path)
-    return None if positions is None else max(1, positions - cfg.sampling.max_new_tokens)
-
-
-def run_actor(cfg: Config) -> int:
-    torch.set_num_threads(cfg.actor.torch_threads)
-    prepare_model_path(cfg)
-    actor_id = cfg.actor.id or f"{socket.gethostname()}-{os.getpid()}"
-    registry = process_registry(cfg.run.name)
-    metrics = ActorMetrics(registry)
-    transport = Transport(cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc)
-    transport.ping()
-    if (g := cfg.sampling.group_size) <= 3:
-        log.warning("group size %d: with so few answers grader noise becomes a full ±1 advantage", g)
-
-    actor: Actor | None = None
-
-    def health() -> tuple[bool, dict]:
-        return True, {"role": "actor", "id": actor_id, "version": actor.engine.version if actor else None}
-
-    grader = open_grader(cfg.grader)
-    server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
-    register_endpoint(cfg.run.dir, "actor", actor_id, server.url)
-    engine: Engine | None = None
-    try:
-        engine = make_engine(
-            cfg,
-            seed=cfg.run.seed * 1_000_003 + os.getpid(),
-            name=actor_id,
-            on_event=lambda kind: metrics.engine_events.labels(kind).inc(),
-        )
-        actor = Actor(cfg, actor_id, transport, engine, grader, metrics, prompt_token_limit(cfg))
-        stop = actor.stop
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        log.info(
-            "actor %s: engine %s, group size %d, %d prompts per round, metrics %s",
-            actor_id,
-            cfg.actor.engine,
-            cfg.sampling.group_size,
-            cfg.actor.prompts_per_round,
-            server.url,
-        )
-        reason = actor.run()
-        log.info(
-            "actor %s stopped (%s): %d groups sent in %d rounds", actor_id, reason, actor.groups_sent, actor.rounds
-        )
-        return 0
-    except EngineError as e:  # the engine's server is gone or answers nonsense: say so, and let it be restarted
-        log.error("actor %s: engine %s failed: %s; exiting", actor_id, cfg.actor.engine, e)
-        return 1
-    finally:
-        if engine is not None:
-            engine.close()
-        grader.close()
-        server.close()
-        transport.close()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from actor.engine import EngineError
+from actor.engine_protocol import EngineError
 from actor.sglang_server import LaunchedServer
 from common.config import Config
 from common.generation import Sample

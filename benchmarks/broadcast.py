@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 import harness  # noqa: E402
 import torch  # noqa: E402
 
-from common.redis_server import free_port  # noqa: E402
+from common.net import free_port  # noqa: E402
 from common.weight_sync import Round, assign_ranks, close_group, open_group  # noqa: E402
 from common.weights import publish  # noqa: E402
 
