@@ -21,8 +21,8 @@ from pathlib import Path
 
 from common.config import Config
 from common.metrics import register_endpoint
+from common.net import free_port
 from common.procs import die_with_parent, stop_process
-from common.redis_server import free_port
 
 log = logging.getLogger(__name__)
 

@@ -68,7 +68,7 @@ def demo(seed: int, steps: int, model: Path, root: Path, synchronous: bool | Non
 
 
 def run(quick: bool, png: Path | None = None) -> dict[str, object]:
-    from common.tiny_model import ensure_tiny_model
+    from ops.tiny_model import ensure_tiny_model
 
     steps = 60 if quick else 200
     model = ensure_tiny_model(seed=0, eval_size=20)

@@ -74,7 +74,7 @@ def case(name: str, overrides: list[str], rounds: int) -> dict:
 
 
 def run(quick: bool, models: list[str] | None = None) -> dict:
-    from common.tiny_model import ensure_tiny_model
+    from ops.tiny_model import ensure_tiny_model
 
     demo = str(ensure_tiny_model(seed=0, eval_size=20))
     rounds = 4 if quick else 12

@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO))
 
 from common.config import RedisConfig, load_config  # noqa: E402
 from common.procs import stop_process, wait_until  # noqa: E402
-from common.redis_server import RedisServer  # noqa: E402
 from common.transport import Transport, read_balance  # noqa: E402
+from ops.redis_server import RedisServer  # noqa: E402
 
 DEFAULTS = [
     "run.name=load",
@@ -60,7 +60,7 @@ def main() -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="grpo-load-"))
     out.mkdir(parents=True, exist_ok=True)
 
-    from common.tiny_model import make_tiny_model
+    from ops.tiny_model import make_tiny_model
 
     model = out / "model"
     if not (model / "config.json").exists():

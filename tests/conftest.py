@@ -38,7 +38,7 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised tiny model (no warm start): fast, for engine and learner mechanics."""
-    from common.tiny_model import make_tiny_model
+    from ops.tiny_model import make_tiny_model
 
     path = tmp_path_factory.mktemp("tiny") / "model"
     make_tiny_model(path, warm=False)
@@ -48,7 +48,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The warm-started demo model, exactly as `grpo run` builds it."""
-    from common.tiny_model import ensure_tiny_model
+    from ops.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(seed=0, eval_size=20)
 
@@ -56,7 +56,7 @@ def demo_model_dir() -> Path:
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[object]:
     """A real redis-server on a free loopback port, private to the test."""
-    from common.redis_server import RedisServer
+    from ops.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "redis").start()
     try:

@@ -12,8 +12,8 @@ import redis
 
 from common.config import RedisConfig
 from common.procs import wait_until
-from common.redis_server import RedisServer
 from common.transport import Transport
+from ops.redis_server import RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -15,8 +15,8 @@ import pytest
 
 from common.config import RedisConfig
 from common.procs import wait_until
-from common.redis_server import RedisServer
 from common.transport import Transport, read_balance
+from ops.redis_server import RedisServer
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 

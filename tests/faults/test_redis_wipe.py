@@ -21,8 +21,8 @@ import pytest
 
 from common.config import RedisConfig
 from common.procs import wait_until
-from common.redis_server import RedisServer
 from common.transport import Transport, read_balance
+from ops.redis_server import RedisServer
 from tests.faults.runs import PATIENT_REDIS, run_settings
 from tests.faults.test_faults import _tail
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from common.launcher import Run
-from common.redis_server import free_port
+from common.net import free_port
+from ops.run import Run
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry
 from common.config import Config, RedisConfig
 from common.metrics import LearnerMetrics
 from common.models import load_pretrained
+from common.net import free_port
 from common.procs import wait_until
-from common.redis_server import free_port
 from common.transport import Transport
 from learner.broadcast import Broadcaster, Snapshot, snapshot
 from tests.integration.test_actor_process import actor_args

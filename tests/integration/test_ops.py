@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from common.config import RedisConfig
-from common.redis_server import free_port
+from common.net import free_port
 from common.transport import Transport, read_balance
 from tests.unit.test_schemas import make_group
 

@@ -1,4 +1,4 @@
-"""The private redis-server of ``grpo run`` (common.redis_server) with a password: a real server, real clients."""
+"""The private redis-server of ``grpo run`` (ops.redis_server) with a password: a real server, real clients."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import cast
 import pytest
 import redis
 
-from common.redis_server import RedisServer
+from ops.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 

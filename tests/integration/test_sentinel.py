@@ -12,9 +12,10 @@ import pytest
 import redis
 
 from common.config import ConfigError, RedisConfig, load_config, mask_url
+from common.net import free_port
 from common.procs import stop_process, wait_until
-from common.redis_server import RedisServer, find_redis_server, free_port
 from common.transport import CONSUMER_GROUP, Transport, parse_sentinel_url
+from ops.redis_server import RedisServer, find_redis_server
 
 NAME = "grpo-primary"
 

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from common.config import RedisConfig
-from common.schemas import WeightsAnnouncement
+from common.schemas import Heartbeat, Round, WeightsAnnouncement
 from common.transport import Transport, TransportError, read_balance
 
 pytestmark = pytest.mark.integration
@@ -27,7 +27,7 @@ def test_keys_live_under_the_run_hash_tag(redis_url: str) -> None:
     t.announce_weights(WeightsAnnouncement(1, "/w/v1", "xxh3-128:" + "a" * 32))
     t.mark_done()
     t.nccl_register("a1", {"ranks": 1})
-    t.nccl_open_round('{"session": "s", "seq": 1}')
+    t.nccl_open_round(a_round("s", 1))
     t.nccl_ready("s:1", "a1")
     t.nccl_decide("s:1", "go")
     keys = sorted(k.decode() for k in t.client.keys("*"))
@@ -117,6 +117,10 @@ def test_weights_announcement_hash_and_pubsub(redis_url: str) -> None:
     ps.close()
 
 
+def a_round(session: str, seq: int) -> str:
+    return Round(session, seq, 1, "g", "127.0.0.1", 29500, 2, "gloo", {"a1": 1}).to_json()
+
+
 def test_update_group_members_age_out_and_decisions_belong_to_one_round(redis_url: str) -> None:
     t = transport(redis_url)
     t.nccl_register("a1", {"ranks": 2, "nonce": "n1", "group": None})
@@ -131,7 +135,7 @@ def test_update_group_members_age_out_and_decisions_belong_to_one_round(redis_ur
     t.nccl_unregister("a2")
     assert t.nccl_members(5.0) == {}
 
-    t.nccl_open_round('{"session": "s1", "seq": 4}')
+    t.nccl_open_round(a_round("s1", 4))
     assert t.nccl_decision("s1:4") is None  # undecided
     t.nccl_ready("s1:4", "a1")
     t.nccl_ready("s1:3", "a2")  # late, for an earlier round
@@ -140,11 +144,16 @@ def test_update_group_members_age_out_and_decisions_belong_to_one_round(redis_ur
     assert t.nccl_decision("s1:4") == "join"
     t.nccl_decide("s1:4", "go")
     assert t.nccl_decision("s1:4") == "go"
-    t.nccl_open_round('{"session": "s1", "seq": 5}')
+    t.nccl_open_round(a_round("s1", 5))
     assert t.nccl_decision("s1:4") == "cancel"  # a later round of the learner
     assert t.nccl_ready_members("s1:5") == set()
-    t.nccl_open_round('{"session": "s2", "seq": 1}')  # another learner (restarted): its round 1 is not ours
+    t.nccl_open_round(a_round("s2", 1))  # another learner (restarted): its round 1 is not ours
     assert t.nccl_decision("s1:1") == "cancel" and t.nccl_decision("s2:1") is None
+    t.client.set(t.keys.nccl_round, b'{"session": "s2", "seq": 1}')  # not a whole round: nobody takes it
+    assert t.nccl_decision("s2:1") == "cancel"
+    t.nccl_open_round(a_round("s2", 2))
+    t.client.set(t.keys.nccl_state, b"s2:2:maybe")  # an unreadable decision decides nothing
+    assert t.nccl_decision("s2:2") is None
 
 
 def test_two_actors_share_the_prompt_cursor(redis_url: str) -> None:
@@ -157,12 +166,13 @@ def test_heartbeat_expires(redis_url: str) -> None:
     t = transport(redis_url)
     t.heartbeat("actor-1", 0.3, {"version": 2})
     assert t.live_actors()["actor-1"]["version"] == 2
+    assert Heartbeat.decode(t.client.get(t.keys.actor("actor-1"))).version == 2  # the wire module's form
     time.sleep(0.6)
     assert t.live_actors() == {}
 
 
 def test_unreachable_redis_is_a_clear_error() -> None:
-    from common.redis_server import free_port
+    from common.net import free_port
 
     t = Transport(RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", retries=1, socket_timeout_s=1), "t")
     with pytest.raises(TransportError, match="unreachable"):
@@ -234,7 +244,7 @@ def test_own_pending_entries_are_read_again(redis_url: str) -> None:
 def test_a_wrong_password_is_reported_at_once(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     import logging
 
-    from common.redis_server import RedisServer
+    from ops.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "r").start()
     try:

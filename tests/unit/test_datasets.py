@@ -162,7 +162,7 @@ CHAT = (
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from common.tiny_model import build_tokenizer
+    from ops.tiny_model import build_tokenizer
 
     return build_tokenizer()
 

@@ -169,7 +169,7 @@ def test_the_gsm8k_recipe_reads_gsm8k(shared_dir: Path) -> None:
 
 
 DOCKERFILES = ["learner.Dockerfile", "actor.Dockerfile"]
-PACKAGES = ("common", "actor", "learner", "grader")
+PACKAGES = ("common", "actor", "learner", "grader", "ops")
 
 
 def instructions(name: str) -> list[tuple[str, str]]:

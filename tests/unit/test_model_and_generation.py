@@ -99,7 +99,7 @@ def test_warm_start_leaves_the_demo_model_at_its_documented_starting_point(demo_
 
     from common.models import load_pretrained
     from common.tasks import addition_task
-    from common.tiny_model import accuracy
+    from ops.tiny_model import accuracy
 
     report = json.loads((demo_model_dir / "warm_start.json").read_text())
     assert report["greedy_answer_accuracy"] >= 0.99

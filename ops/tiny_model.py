@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from common.model_import import cache_dir
+
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -174,13 +176,6 @@ def make_tiny_model(
         shutil.rmtree(directory)
     os.rename(tmp, directory)
     return report
-
-
-def cache_dir() -> Path:
-    """``$GRPO_CACHE_DIR``, else ``$XDG_CACHE_HOME/grpo-pipeline``, else ``~/.cache/grpo-pipeline``."""
-    if os.environ.get("GRPO_CACHE_DIR"):
-        return Path(os.environ["GRPO_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo-pipeline"
 
 
 def ensure_tiny_model(seed: int = 0, eval_size: int = 20) -> Path:
