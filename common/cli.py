@@ -35,7 +35,8 @@ EXIT_REDIS_LOST = 3
 DISTRIBUTION = "grpo-pipeline"
 
 
-def _commands() -> dict[str, object]:
+def registered_commands() -> dict[str, object]:
+    """The subcommands the installed roles registered, by name (entry points, loaded only when run)."""
     return {ep.name: ep for ep in entry_points(group="grpo.commands")}
 
 
@@ -64,15 +65,16 @@ class PlainHelpFormatter(argparse.HelpFormatter):
 
 
 def role_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=PlainHelpFormatter)
-    p.add_argument(
+    """The options every command that loads the config takes: ``--config FILE`` and ``-o KEY=VALUE``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=PlainHelpFormatter)
+    parser.add_argument(
         "--config",
         metavar="FILE",
         action="append",
         default=[],
         help="YAML config, repeatable: later files override earlier ones key by key (defaults: the CPU demo)",
     )
-    p.add_argument(
+    parser.add_argument(
         "-o",
         "--override",
         action="append",
@@ -80,7 +82,7 @@ def role_parser(prog: str, description: str) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="dotted override, repeatable: -o learner.lr=1e-3 -o run.steps=50",
     )
-    return p
+    return parser
 
 
 def parse_config(prog: str, description: str, argv: Sequence[str]) -> Config:
@@ -89,14 +91,14 @@ def parse_config(prog: str, description: str, argv: Sequence[str]) -> Config:
 
 
 def config_main(argv: Sequence[str]) -> int:
-    p = role_parser(
+    parser = role_parser(
         "grpo config",
         "Print the resolved config (defaults < --config files < environment < -o), secrets left out, as YAML a "
         "--config file takes; nothing runs and nothing is written.",
     )
-    p.add_argument("--json", action="store_true", help="JSON instead of YAML")
-    p.add_argument("--keys", action="store_true", help="list every key with its default and meaning instead")
-    args = p.parse_args(list(argv))
+    parser.add_argument("--json", action="store_true", help="JSON instead of YAML")
+    parser.add_argument("--keys", action="store_true", help="list every key with its default and meaning instead")
+    args = parser.parse_args(list(argv))
     if args.keys:
         print(keys_text(), end="")
         return 0
@@ -117,7 +119,7 @@ def keys_text() -> str:
 
 
 # Commands of this module, beside those registered as entry points: name -> (function, one line for grpo --help).
-BUILTINS = {
+BUILTIN_COMMANDS = {
     "config": (config_main, "print the resolved config (secrets left out) without running anything; --keys: every key"),
 }
 
@@ -143,7 +145,7 @@ def summary(name: str, module: str) -> str:
 def help_text(commands: dict[str, object]) -> str:
     """``grpo --help``: every command with one line, and the options of grpo itself."""
     lines = {name: summary(name, ep.module) for name, ep in commands.items()}  # type: ignore[attr-defined]
-    lines.update({name: line for name, (_, line) in BUILTINS.items()})
+    lines.update({name: line for name, (_, line) in BUILTIN_COMMANDS.items()})
     width = max(map(len, lines))
     return "\n".join(
         [
@@ -161,7 +163,7 @@ def help_text(commands: dict[str, object]) -> str:
     )
 
 
-def _version() -> str:
+def installed_version() -> str:
     try:
         return version(DISTRIBUTION)
     except PackageNotFoundError:  # a checkout that was never installed
@@ -180,30 +182,37 @@ def storage_problem(e: BaseException) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = _commands()
+    commands = registered_commands()
     if not commands:
         print("grpo: no subcommands registered; install the package (pip install -e .)", file=sys.stderr)
         return EXIT_USAGE
     if argv and argv[0] == "--version":
-        print(f"{DISTRIBUTION} {_version()}")
+        print(f"{DISTRIBUTION} {installed_version()}")
         return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(help_text(commands), end="")
         return 0 if argv else EXIT_USAGE
     name, rest = argv[0], argv[1:]
-    if name not in commands and name not in BUILTINS:
-        known = sorted([*commands, *BUILTINS])
+    if name not in commands and name not in BUILTIN_COMMANDS:
+        known = sorted([*commands, *BUILTIN_COMMANDS])
         near = difflib.get_close_matches(name, known, n=1)
         hint = f"did you mean {near[0]}?" if near else f"choose from {', '.join(known)}"
         print(f"grpo: unknown command {name!r}; {hint}", file=sys.stderr)
         return EXIT_USAGE
+    return run_command(name, rest, commands)
+
+
+def run_command(name: str, argv: list[str], commands: dict[str, object]) -> int:
+    """Run command ``name``; a user's mistake becomes one line on stderr and its exit code (the module docstring's
+    list), a bug keeps its traceback."""
     import redis
 
     from common.transport import TransportError
 
     try:
-        fn = BUILTINS[name][0] if name in BUILTINS else commands[name].load()  # type: ignore[attr-defined]
-        return int(fn(rest) or 0)
+        builtin = BUILTIN_COMMANDS.get(name)
+        command = builtin[0] if builtin else commands[name].load()  # type: ignore[attr-defined]
+        return int(command(argv) or 0)
     except (ConfigError, TransportError) as e:
         print(f"grpo {name}: {e}", file=sys.stderr)
         return EXIT_USAGE
