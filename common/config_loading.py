@@ -152,7 +152,7 @@ def _read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 ConfigPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None
 
 
-def _paths(path: ConfigPaths) -> list[str | os.PathLike[str]]:
+def _path_list(path: ConfigPaths) -> list[str | os.PathLike[str]]:
     if path is None:
         return []
     if isinstance(path, (str, os.PathLike)):
@@ -168,7 +168,7 @@ def load_config(
     """Defaults < YAML files (one path or a list, merged left to right) < environment < ``-o`` overrides.
     Raises :class:`ConfigError`."""
     tree: dict[str, Any] = {}
-    for p in _paths(path):
+    for p in _path_list(path):
         tree = _merge(tree, _read_file(p))
     environ = os.environ if env is None else env
     for var, key in ENV_KEYS.items():

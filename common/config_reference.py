@@ -31,12 +31,12 @@ def reference_markdown() -> str:
         section = field.annotation
         assert isinstance(section, type) and issubclass(section, BaseModel)
         lines += [f"## `{name}`", "", "| key | default | meaning |", "|---|---|---|"]
-        lines += _rows(name, section)
+        lines += _table_rows(name, section)
         lines.append("")
     return "\n".join(lines)
 
 
-def _rows(prefix: str, model: type[BaseModel]) -> list[str]:
+def _table_rows(prefix: str, model: type[BaseModel]) -> list[str]:
     return [
         f"| `{key}` | {default and f'`{default}`'} | {meaning} |" for key, default, meaning in key_rows(prefix, model)
     ]

@@ -41,7 +41,8 @@ class Config(Section):
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
-    def _derived_paths(self) -> Config:
+    def _fill_derived_defaults(self) -> Config:
+        """The keys whose empty default is worked out from others: the run's directories and the stream bound."""
         if not self.run.dir:
             self.run.dir = str(Path("runs") / self.run.name)
         if not self.weights.dir:
@@ -51,6 +52,11 @@ class Config(Section):
         if not self.actor.max_stream_groups:
             # Two batches waiting to be read: the learner never starves, and staleness stays near 1 version.
             self.actor.max_stream_groups = 2 * self.learner.batch_groups
+        return self
+
+    @model_validator(mode="after")
+    def _check_across_sections(self) -> Config:
+        """Settings of different sections that only fail together (each alone is valid)."""
         if self.actor.synchronous and (
             self.actor.prompts_per_round < self.learner.batch_groups or self.actor.filter_zero_std
         ):
