@@ -70,6 +70,7 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def _is_text_key(key: str) -> bool:
+    """Whether the dotted ``key`` is a text field of the tree (an override then keeps its value as written)."""
     node: Any = Config
     for part in key.split("."):
         field = getattr(node, "model_fields", {}).get(part)
@@ -85,6 +86,7 @@ MOVED = {"actor.group_size": "sampling.group_size", "actor.heartbeat_ttl_s": "ru
 
 
 def _format_errors(err: ValidationError) -> str:
+    """pydantic's errors as :class:`ConfigError` lines, one per problem, each naming its dotted key."""
     lines = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "config"
