@@ -18,9 +18,8 @@ from typing import Any, Protocol
 
 from common.config import Config
 from common.metrics import ActorMetrics
-from common.schemas import SchemaError
+from common.schemas import Round
 from common.transport import Transport
-from common.weight_sync import Round
 from common.weights import WeightsError
 
 log = logging.getLogger(__name__)
@@ -108,10 +107,7 @@ class Receiver:
         raw = self.transport.nccl_round()
         if raw is None:
             return False
-        try:
-            rnd = Round.from_json(raw)
-        except (ValueError, TypeError, KeyError) as e:
-            raise SchemaError(f"nccl:round is malformed: {e}") from None
+        rnd = Round.from_json(raw)  # SchemaError when malformed, naming what is wrong
         if rnd.id == self.last or self.member not in rnd.ranks:
             return False
         self.last = rnd.id

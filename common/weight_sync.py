@@ -17,41 +17,27 @@ and then ``go`` (it broadcasts). Nobody enters the group's rendezvous or a broad
 be there: a slow or dead actor costs a cancelled round, not a collective that cannot complete (only a member that
 dies between its "ready" and the end of the broadcast leaves the others to time out).
 
-Pure pieces (bucket plans, flattening, the round's wire form) are tested on their own; :func:`open_group` is the
-one place that touches torch.distributed.
+Pure pieces (bucket plans, flattening) are tested on their own, and the round's wire form (:class:`Round`,
+:class:`Bucket`) with the wire module (common.schemas); :func:`open_group` is the one place that touches
+torch.distributed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
-import math
 import os
 import socket
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 import torch
 
-# dtype names as SGLang reads them (``getattr(torch, name)``)
-DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+# The round and its buckets travel between processes: their forms are the wire module's (imported from here too).
+from common.schemas import DTYPES, Bucket, Round
 
-
-@dataclass(frozen=True)
-class Bucket:
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-
-    def sizes(self) -> list[int]:
-        """Bytes of each tensor, in order."""
-        return [math.prod(s) * getattr(torch, d).itemsize for s, d in zip(self.shapes, self.dtypes, strict=True)]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.sizes())
+__all__ = ["DTYPES", "Bucket", "Round", "abort_group", "assign_ranks", "close_group", "dtype_name", "flatten",
+           "open_group", "plan_buckets", "unflatten", "wait_for"]  # fmt: skip
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -106,35 +92,6 @@ def unflatten(flat: torch.Tensor, bucket: Bucket) -> dict[str, torch.Tensor]:
     if at != flat.numel():
         raise ValueError(f"a bucket of {flat.numel()} bytes holds {at} bytes of tensors")
     return out
-
-
-@dataclass(frozen=True)
-class Round:
-    """One version on its way: written by the learner to ``nccl:round``, read by every actor."""
-
-    session: str  # the learner process's: rounds of another learner (a restarted one) are never mistaken for ours
-    seq: int  # increases with every round of the session
-    version: int
-    group: str  # the update group's name; a new name means a new group that members join when told to
-    address: str
-    port: int
-    world_size: int
-    backend: str
-    ranks: dict[str, int]  # member id -> its rank offset (the learner is rank 0)
-    buckets: list[Bucket] = field(default_factory=list)
-
-    @property
-    def id(self) -> str:
-        return f"{self.session}:{self.seq}"
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Round:
-        d = json.loads(text)
-        d["buckets"] = [Bucket(**b) for b in d.get("buckets", [])]
-        return cls(**d)
 
 
 def assign_ranks(members: Mapping[str, int]) -> tuple[dict[str, int], int]:

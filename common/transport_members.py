@@ -1,0 +1,119 @@
+"""Who is there (part of common.transport): actors' heartbeats, and the members and rounds of weights over NCCL
+(the protocol is common.weight_sync's). Every value is one of the wire module's forms (common.schemas)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, cast
+
+from common.schemas import Heartbeat, NcclDecision, NcclDecisionName, NcclMember, Round, SchemaError, as_text
+from common.transport_connection import Connection, Lua
+
+# Remove a hash field only if it still holds the value read: a member that re-registered meanwhile stays.
+_HDEL_IF = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
+
+
+class Membership(Connection):
+    _hdel_if_script = Lua(_HDEL_IF)
+
+    def heartbeat(self, actor_id: str, ttl_s: float, info: dict[str, Any]) -> None:
+        """``actor_id`` is alive for ``ttl_s``: a :class:`~common.schemas.Heartbeat` of this process, with ``info``
+        (``version``, ``groups_sent``, ``rounds``)."""
+        body = Heartbeat(os.getpid(), time.time(), **info).encode()
+        self._do(lambda: self.client.set(self.keys.actor(actor_id), body, px=max(1, int(ttl_s * 1000))))
+
+    def live_actors(self) -> dict[str, dict[str, Any]]:
+        """Heartbeats of the actors whose key has not expired, by actor id, each as its JSON object; SchemaError
+        when one is malformed."""
+        keys = self._do(lambda: list(self.client.scan_iter(match=self.keys.actor("*"), count=100)))
+        values = self._do(lambda: self.client.mget(keys)) if keys else []
+        return {
+            as_text(k).rsplit(":", 1)[-1]: Heartbeat.decode(v).fields()
+            for k, v in zip(keys, values, strict=True)
+            if v is not None
+        }
+
+    def nccl_register(self, member: str, info: dict[str, Any]) -> None:
+        """An actor whose engine can take weights over NCCL says so (again every heartbeat and whenever it joins or
+        leaves a group): ``info`` holds its server's ``ranks``, a ``nonce`` of its process and the ``group`` it is
+        in. Stamped with Redis's clock, so that a machine's skewed clock cannot age it out."""
+        body = NcclMember(**info, at=self.server_time()).encode()
+        self._do(lambda: self.client.hset(self.keys.nccl_members, member, body))
+
+    def nccl_unregister(self, member: str) -> None:
+        self._do(lambda: self.client.hdel(self.keys.nccl_members, member))
+
+    def nccl_members(self, max_age_s: float) -> dict[str, dict[str, Any]]:
+        """Members registered in the last ``max_age_s``, id -> what they registered (a
+        :class:`~common.schemas.NcclMember`'s JSON object); older or malformed entries (an actor killed before it
+        could unregister) are removed, unless re-registered meanwhile."""
+        now = self.server_time()
+        members: dict[str, dict[str, Any]] = {}
+        for k, v in self._do(lambda: self.client.hgetall(self.keys.nccl_members)).items():
+            member = _member(v)
+            if member is not None and now - member.at <= max_age_s:
+                members[as_text(k)] = member.fields()
+            else:
+                self._hdel_if(self.keys.nccl_members, k, v)
+        return members
+
+    def _hdel_if(self, key: str, field: Any, value: Any) -> None:
+        self._do(lambda: self._hdel_if_script(keys=[key], args=[field, value]))
+
+    def nccl_open_round(self, round_json: str) -> None:
+        """Start a round: its description, no one ready yet, no decision (members poll for it)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.nccl_ready, self.keys.nccl_state)
+        pipe.set(self.keys.nccl_round, round_json)
+        self._do(pipe.execute)
+
+    def nccl_round(self) -> bytes | None:
+        return cast("bytes | None", self._do(lambda: self.client.get(self.keys.nccl_round)))
+
+    def nccl_ready(self, round_id: str, member: str) -> None:
+        """``round_id``: the learner's session and the round's sequence number, ``<session>:<seq>``."""
+        self._do(lambda: self.client.hset(self.keys.nccl_ready, member, round_id))
+
+    def nccl_ready_members(self, round_id: str) -> set[str]:
+        ready = self._do(lambda: self.client.hgetall(self.keys.nccl_ready))
+        return {as_text(k) for k, v in ready.items() if as_text(v) == round_id}
+
+    def nccl_decide(self, round_id: str, decision: NcclDecisionName) -> None:
+        """``join`` (members join the round's new group), ``go`` (the learner broadcasts now) or ``cancel`` (it does
+        not: the version goes to disk)."""
+        value = NcclDecision(round_id, decision).encode()
+        self._do(lambda: self.client.set(self.keys.nccl_state, value))
+
+    def nccl_decision(self, round_id: str) -> NcclDecisionName | None:
+        """The decision on round ``round_id``; ``cancel`` once the state belongs to any other round (a later one, or
+        another learner's) or the round is unreadable, None while undecided."""
+        value, state = self._do(lambda: self.client.mget(self.keys.nccl_round, self.keys.nccl_state))
+        decided = _decision(state)
+        if decided is not None and decided.round_id == round_id:
+            return decided.decision
+        if value is None:
+            return "cancel"
+        try:
+            current = Round.from_json(value).id
+        except SchemaError:
+            return "cancel"
+        return None if current == round_id else "cancel"
+
+
+def _member(raw: bytes | str) -> NcclMember | None:
+    try:
+        return NcclMember.decode(raw)
+    except SchemaError:
+        return None
+
+
+def _decision(raw: bytes | str | None) -> NcclDecision | None:
+    """The decision in ``nccl:state``; None when there is none, or it is unreadable (then no round is decided)."""
+    try:
+        return None if raw is None else NcclDecision.decode(raw)
+    except SchemaError:
+        return None

@@ -1,0 +1,177 @@
+"""The run's state in Redis (part of common.transport): the weights announcement, the done mark, the run's
+identity, the durable counters and the accounting equation read from them (:func:`read_balance`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import redis
+
+from common.schemas import WeightsAnnouncement, as_text
+from common.transport_admission import UNREAD
+from common.transport_connection import CONSUMER_GROUP, Connection, Lua
+
+
+@dataclass(frozen=True)
+class Balance:
+    """The accounting equation of DESIGN §4, read from Redis alone."""
+
+    produced: int
+    trained: int
+    dropped: dict[str, int]
+    dead: int
+    in_stream: int  # unread + pending (acked entries are deleted)
+    filtered: dict[str, int]
+    unread: int = 0  # in the stream, not yet read by a learner
+    # (the rest of in_stream is pending: read, and waiting for the checkpoint that covers its step)
+    discarded: dict[str, int] = field(default_factory=dict)  # sampled by actors, never sent (outside the equation)
+
+    @property
+    def pending(self) -> int:
+        return self.in_stream - self.unread
+
+    @property
+    def unexplained(self) -> int:
+        return self.produced - self.trained - sum(self.dropped.values()) - self.dead - self.in_stream
+
+    def equation(self) -> str:
+        dropped = sum(self.dropped.values())
+        ok = "balanced" if self.unexplained == 0 else f"UNEXPLAINED {self.unexplained}"
+        return (
+            f"produced {self.produced} = trained {self.trained} + dropped {dropped} + dead {self.dead}"
+            f" + pending {self.pending} + unread {self.unread}  ({ok})"
+        )
+
+
+class RunState(Connection):
+    _unread_script = Lua(UNREAD)
+
+    def announce_weights(self, ann: WeightsAnnouncement) -> None:
+        """Update ``weights:latest`` and publish the version on the ``weights`` channel, atomically."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.weights_latest)  # no field of an earlier build's announcement outlives it
+        pipe.hset(self.keys.weights_latest, mapping=cast(Any, ann.to_hash()))
+        pipe.publish(self.keys.weights_channel, str(ann.version))
+        self._do(pipe.execute)
+
+    def latest_weights(self) -> WeightsAnnouncement | None:
+        """The announced version; None when none is; SchemaError (one line) when the hash is malformed: every
+        reader treats that as bad input, and the learner's next announcement replaces it."""
+        h = self._do(lambda: self.client.hgetall(self.keys.weights_latest))
+        return WeightsAnnouncement.from_hash(h) if h else None
+
+    def subscribe_weights(self) -> redis.client.PubSub:
+        ps = self.client.pubsub(ignore_subscribe_messages=True)
+        ps.subscribe(self.keys.weights_channel)
+        return ps
+
+    def mark_done(self) -> None:
+        self._do(lambda: self.client.set(self.keys.done, repr(self.server_time())))
+
+    def clear_done(self) -> None:
+        self._do(lambda: self.client.delete(self.keys.done))
+
+    def is_done(self) -> bool:
+        """Whether the learner marked the run finished. A run name is one run: an actor that starts (or restarts)
+        after the mark exits at once, and a learner resuming a run clears the mark while it trains."""
+        return bool(self._do(lambda: self.client.exists(self.keys.done)))
+
+    def identity(self) -> dict[str, str]:
+        """The run's identity hash; empty when Redis holds none (a new run, or a Redis that lost its data)."""
+        return {as_text(k): as_text(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.identity)).items()}
+
+    def identity_id(self) -> str | None:
+        """The run id alone: one HGET, cheap enough for every learner step."""
+        v = self._do(lambda: self.client.hget(self.keys.identity, "id"))
+        return None if v is None else as_text(v)
+
+    def create_identity(self, run_id: str) -> None:
+        """Name the run in Redis (kept if another learner named it first)."""
+        now = repr(self.server_time())
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hsetnx(self.keys.identity, "id", run_id)
+        pipe.hsetnx(self.keys.identity, "created_at", now)
+        self._do(pipe.execute)
+
+    def record_reset(self, run_id: str, step: int, trained_before: int) -> None:
+        """Name the run again in a Redis that lost its data, recording the loss: when, at which learner step, and
+        how many groups had been trained before it (no longer in ``stats``; ``grpo status`` reports them)."""
+        now = repr(self.server_time())
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.identity, mapping={"id": run_id, "reset_at": now, "reset_step": step,
+                                               "trained_before_reset": trained_before})  # fmt: skip
+        pipe.hsetnx(self.keys.identity, "created_at", now)
+        pipe.hincrby(self.keys.identity, "resets", 1)
+        self._do(pipe.execute)
+
+    def stats(self) -> dict[str, int]:
+        return {as_text(k): int(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.stats)).items()}
+
+    def started_signs(self) -> tuple[bool, int]:
+        """Whether weights are announced (the learner has loaded its model) and how many groups actors have sent:
+        one round trip, for a view of the run's start-up."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.exists(self.keys.weights_latest)
+        pipe.hget(self.keys.stats, "groups_produced")
+        announced, produced = self._do(pipe.execute)
+        return bool(announced), int(produced or 0)
+
+    def run_seen(self) -> bool:
+        """Whether Redis holds any key of this run: its identity (a learner started), counters or stream (an actor
+        sent groups), the prompt cursor or a reserved round (an actor is sampling its first), dead letters, an
+        announcement or the done mark. One EXISTS: the keys share one slot."""
+        k = self.keys
+        keys = (k.identity, k.stats, k.groups, k.prompts_cursor, k.inflight, k.dead, k.weights_latest, k.done,
+                k.filtered)  # fmt: skip
+        return bool(self._do(lambda: self.client.exists(*keys)))
+
+    def run_names(self, max_scans: int) -> list[str]:
+        """The names of the runs with keys in this Redis, sorted, from at most ``max_scans`` SCAN calls of 1000 keys:
+        a hint, not an inventory. ``redis.ResponseError`` where this user may not SCAN (an ACL user limited to its
+        run's keys)."""
+        names: set[str] = set()
+        cursor = 0
+        for _ in range(max_scans):
+            cursor, found = self.client.scan(cursor, match="grpo:{*}:*", count=1000)
+            names.update(m.group(1) for key in found if (m := re.match(r"grpo:\{(.*?)\}:", as_text(key))))
+            if cursor == 0:
+                break
+        return sorted(names)
+
+    def delete_run(self) -> None:
+        """Remove every key of this run (used before a fresh run under a reused name)."""
+        keys: Iterable[bytes] = list(self.client.scan_iter(match=self.keys.prefix + "*", count=500))
+        if keys:
+            self._do(lambda: self.client.delete(*keys))
+
+    def balance(self) -> Balance:
+        """The accounting equation's terms (:class:`Balance`), read in one transaction, so that the counters and the
+        stream's length are of the same instant."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hgetall(self.keys.stats)
+        pipe.xlen(self.keys.groups)
+        self._unread_script(keys=[self.keys.groups], args=[CONSUMER_GROUP], client=pipe)
+        raw, xlen, unread = self._do(pipe.execute)
+        s = {as_text(k): int(v) for k, v in raw.items()}
+        return Balance(
+            produced=s.get("groups_produced", 0),
+            trained=s.get("groups_trained", 0),
+            dropped=_by_reason(s, "groups_dropped:"),
+            dead=s.get("groups_dead", 0),
+            in_stream=int(xlen),
+            filtered=_by_reason(s, "groups_filtered:"),
+            unread=int(unread),
+            discarded=_by_reason(s, "groups_discarded:"),
+        )
+
+
+def _by_reason(stats: dict[str, int], prefix: str) -> dict[str, int]:
+    return {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith(prefix)}
+
+
+def read_balance(t: RunState) -> Balance:
+    """The accounting equation of DESIGN §4, read from Redis alone (see :meth:`RunState.balance`)."""
+    return t.balance()
