@@ -17,21 +17,17 @@ digest of what was served; someone able to write the weights volume could rewrit
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
-import math
 import mmap
 import os
 import re
 import shutil
-import stat
-import struct
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,33 +37,43 @@ import numpy as np
 import torch
 import xxhash
 
-from common.metrics import WeightLoadFailure
 from common.schemas import DIGEST_HEX_LENGTHS, WeightsAnnouncement
 from common.storage import fsync_dir, fsync_tree
 
+# What a reader may open (common.weights_files) and the safetensors format (common.weights_format) are theirs;
+# their names are imported from here as well.
+from common.weights_files import UnsafeWeightsPath, WeightsError, WeightsMismatch, confined, open_regular
+from common.weights_format import TensorSpec, buffer_tensors, load_into, mismatch, specs_of, tensor_specs
+
+__all__ = [
+    "Published",
+    "TensorSpec",
+    "UnsafeWeightsPath",
+    "WeightsError",
+    "WeightsMismatch",
+    "confined",
+    "digest",
+    "load_into",
+    "load_state_dict",
+    "mismatch",
+    "mount_type",
+    "newest_on_disk",
+    "open_regular",
+    "prune",
+    "publish",
+    "specs_of",
+    "tensor_specs",
+    "tensors_digest",
+    "verify",
+    "version_dir",
+    "wait_pruned",
+]
+
+
 log = logging.getLogger(__name__)
 
+
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
-
-
-class WeightsError(RuntimeError):
-    """A published version is missing, incomplete, or does not match its digest."""
-
-    # The label it is counted under (grpo_actor_weight_load_failures_total{reason}).
-    reason: WeightLoadFailure = "unreadable"
-
-
-class WeightsMismatch(WeightsError):
-    """A version whose tensors' names, shapes or dtypes do not fit the model being served."""
-
-    reason = "mismatch"
-
-
-class UnsafeWeightsPath(WeightsError):
-    """An announced uri outside ``weights.dir`` (or leaving it through a symlink), or a file that is not a regular
-    file: never opened, so a FIFO cannot block a reader and a symlink cannot make it read another file."""
-
-    reason = "path"
 
 
 def version_dir(root: str | os.PathLike[str], version: int) -> Path:
@@ -146,45 +152,6 @@ def _contents(path: Path) -> Any:
     if got != size:
         raise WeightsError(f"{path}: {got} of {size} bytes read (the file changed while being read)")
     return buf
-
-
-def open_regular(path: Path, *, follow_symlinks: bool = False) -> Any:
-    """``path`` opened for unbuffered reading, only when it is a regular file; UnsafeWeightsPath otherwise, without
-    opening it where lstat already tells (a device node, a FIFO, a symlink). The open itself neither follows a
-    symlink (O_NOFOLLOW) nor waits for a FIFO's writer (O_NONBLOCK), and what it opened is checked again (fstat), so
-    a file swapped meanwhile cannot slip through. ``follow_symlinks``: for a model directory of the user's own (a
-    Hugging Face cache links its files to blobs), never for a published version."""
-    if not follow_symlinks and not stat.S_ISREG(os.lstat(path).st_mode):
-        raise UnsafeWeightsPath(f"{path}: not a regular file (a symlink, FIFO or device): refused")
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UnsafeWeightsPath(f"{path}: a symlink: refused") from None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsafeWeightsPath(f"{path}: not a regular file: refused")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def confined(uri: str, root: str | os.PathLike[str]) -> Path:
-    """The announced directory ``uri``, resolved (``..`` and every symlink followed), when it lies inside ``root``
-    (``weights.dir``, resolved the same way); UnsafeWeightsPath otherwise. The learner writes every version there,
-    so an announcement naming anything else (an absolute path elsewhere, ``../``, a symlink out of the directory)
-    is refused before a byte is read."""
-    try:
-        base, target = Path(os.path.realpath(root)), Path(os.path.realpath(uri))
-    except (ValueError, OSError) as e:  # a NUL byte, a symlink loop
-        raise UnsafeWeightsPath(f"weights uri {uri[:200]!r}: {e}") from None
-    if base not in target.parents:
-        raise UnsafeWeightsPath(f"weights uri {uri[:200]!r} is outside weights.dir {str(base)!r}: refused")
-    return target
 
 
 def _published_dir(ann: WeightsAnnouncement, root: str | os.PathLike[str] | None) -> Path:
@@ -382,108 +349,8 @@ def load_state_dict(
     _check_digest(ann, _digest(buffers, ann.digest_algorithm))
     state: dict[str, torch.Tensor] = {}
     for b in buffers:
-        state.update(_tensors(b, f"weights v{ann.version}"))
+        state.update(buffer_tensors(b, f"weights v{ann.version}"))
     return state, sum(len(b) for b in buffers)
-
-
-# safetensors' dtype names (https://github.com/huggingface/safetensors: an 8-byte little-endian header length, a
-# JSON header of name → dtype, shape, [begin, end) offsets after the header, then the data, little-endian).
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
-
-
-def _header(m: Any) -> tuple[dict[str, Any], int]:
-    """A safetensors file's JSON header, read from a buffer that holds at least it, and where its data starts."""
-    (n,) = struct.unpack_from("<Q", m, 0)
-    header = json.loads(bytes(m[8 : 8 + n]))
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a map")
-    return header, 8 + n
-
-
-def _tensors(m: Any, where: str) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file, as views of its buffer."""
-    try:
-        header, start = _header(m)
-        out: dict[str, torch.Tensor] = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype, shape, (begin, end) = _DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
-            if not all(type(d) is int and 0 <= d <= len(m) for d in shape):
-                raise ValueError(f"tensor {name}: shape {shape!r}")
-            numel = math.prod(shape)
-            if not 0 <= begin <= end <= len(m) - start or end - begin != numel * dtype.itemsize:
-                raise ValueError(f"tensor {name}: offsets {begin}..{end} do not fit its shape or the file")
-            if (start + begin) % dtype.itemsize:
-                raise ValueError(f"tensor {name}: offset {start + begin} is not aligned to its {dtype}")
-            if numel == 0:
-                out[name] = torch.empty(shape, dtype=dtype)
-            else:
-                out[name] = torch.frombuffer(m, dtype=dtype, count=numel, offset=start + begin).view(shape)
-        return out
-    except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError, RuntimeError) as e:
-        raise WeightsError(f"{where}: not a safetensors file ({type(e).__name__}: {e})") from None
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    def __str__(self) -> str:
-        return f"{str(self.dtype).removeprefix('torch.')} {list(self.shape)}"
-
-
-def specs_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
-    return {k: TensorSpec(t.dtype, tuple(t.shape)) for k, t in tensors.items()}
-
-
-def tensor_specs(directory: str | os.PathLike[str], *, published: bool = True) -> dict[str, TensorSpec]:
-    """Name → dtype and shape of every tensor in a directory's ``*.safetensors`` files, from their headers alone.
-    ``published``: a version of the weights store (regular files only); False for a model directory of the
-    user's, whose files may be symlinks (a Hugging Face cache)."""
-    specs: dict[str, TensorSpec] = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        try:
-            with open_regular(path, follow_symlinks=not published) as f:
-                prefix = f.read(8)
-                (n,) = struct.unpack("<Q", prefix)
-                if n > 100 * 2**20:
-                    raise ValueError(f"a header of {n} bytes")
-                header, _ = _header(prefix + f.read(n))
-            for k, v in header.items():
-                if k != "__metadata__":
-                    specs[k] = TensorSpec(_DTYPES[v["dtype"]], tuple(int(d) for d in v["shape"]))
-        except (OSError, struct.error, ValueError, KeyError, TypeError) as e:
-            raise WeightsError(f"{path}: not a safetensors file ({type(e).__name__}: {e})") from None
-    return specs
-
-
-def mismatch(
-    served: Mapping[str, TensorSpec], new: Mapping[str, TensorSpec], optional: Collection[str] = ()
-) -> str | None:
-    """Why tensors ``new`` cannot replace ``served`` in place, or None when they can (pure). Every served name must
-    come, except those in ``optional`` (weights tied to another, left out of the files), and no other; shapes must
-    be equal; a floating-point tensor may come in another floating-point dtype (``weights.dtype`` publishes
-    bfloat16 to a float32 engine, and the copy casts), any other tensor in its own dtype only."""
-    both = sorted(served.keys() & new.keys())
-    shapes = [f"{k} {list(new[k].shape)} (served {list(served[k].shape)})" for k in both
-              if new[k].shape != served[k].shape]  # fmt: skip
-    dtypes = [f"{k} {new[k]} (served {served[k]})" for k in both if not _castable(new[k].dtype, served[k].dtype)]
-    missing = sorted(served.keys() - new.keys() - set(optional))
-    unknown = sorted(new.keys() - served.keys())
-    problems = [f"shapes {', '.join(shapes[:3])}" if shapes else "",
-                f"dtypes {', '.join(dtypes[:3])}" if dtypes else "",
-                f"missing {missing[:3]}" if missing else "", f"unknown {unknown[:3]}" if unknown else ""]  # fmt: skip
-    return "; ".join(p for p in problems if p) or None
-
-
-def _castable(new: torch.dtype, served: torch.dtype) -> bool:
-    return new == served or (new.is_floating_point and served.is_floating_point)
 
 
 def verify(ann: WeightsAnnouncement, *, root: str | os.PathLike[str] | None = None) -> int:
@@ -503,16 +370,3 @@ def _check_digest(ann: WeightsAnnouncement, checked: str) -> None:
         raise WeightsError(
             f"weights v{ann.version}: digest {checked[:24]}… does not match announced {ann.digest[:24]}…"
         )
-
-
-def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy tensors into a model of the same architecture, all or nothing: names, shapes and dtypes are checked
-    against the model's before any tensor is touched (``load_state_dict(strict=False)`` copies whatever fits before
-    it reports missing names, and raises on a wrong shape after overwriting part of the model). Only tied
-    parameters may be absent from the file."""
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    tied |= {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
-    if problem := mismatch(specs_of(model.state_dict()), specs_of(state), optional=tied):
-        raise WeightsMismatch(f"weights do not fit the model: {problem}")
-    with torch.no_grad():
-        model.load_state_dict(state, strict=False)
