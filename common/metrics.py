@@ -101,7 +101,13 @@ class RedisMetrics:
 class LearnerMetrics(RedisMetrics):
     def __init__(self, registry: CollectorRegistry):
         super().__init__(registry)
-        r = registry
+        self._training(registry)
+        self._groups(registry)
+        self._weights(registry)
+        self._health(registry)
+
+    def _training(self, r: CollectorRegistry) -> None:
+        """What each step did: its policy, rewards, clipping, KL, staleness, loss and speed."""
         self.step = Gauge("grpo_learner_step", "learner steps completed", registry=r)
         self.policy_version = Gauge("grpo_learner_policy_version", "policy version being trained", registry=r)
         self.reward = Gauge("grpo_learner_reward_mean", "mean reward of everything sampled for the step", registry=r)
@@ -117,6 +123,9 @@ class LearnerMetrics(RedisMetrics):
         self.lr = Gauge("grpo_learner_lr", "learning rate", registry=r)
         self.tokens_per_s = Gauge("grpo_learner_tokens_per_second", "completion tokens trained per second", registry=r)
         self.step_seconds = Histogram("grpo_learner_step_seconds", "wall time of one step", buckets=_FAST, registry=r)
+
+    def _groups(self, r: CollectorRegistry) -> None:
+        """Where the groups went: trained, refused, dead-lettered, still in the stream, or unexplained."""
         self.groups_consumed = Counter("grpo_learner_groups_consumed", "groups trained on", registry=r)
         self.groups_dropped = _at_zero(
             Counter("grpo_learner_groups_dropped", "groups refused", ["reason"], registry=r), DropReason
@@ -127,6 +136,19 @@ class LearnerMetrics(RedisMetrics):
             "optimizer updates not applied because their gradient was not finite",
             registry=r,
         )
+        self.stream_groups = Gauge(
+            "grpo_learner_stream_groups", "groups in the stream: unread, or read and pending", ["state"], registry=r
+        )
+        # An alert rule reads it (deploy/prometheus/alerts.yml): above 0, groups were lost.
+        self.unexplained = Gauge(
+            "grpo_learner_accounting_unexplained_groups",
+            "groups produced less trained, dropped, dead and in the stream (DESIGN's accounting equation): 0 unless "
+            "groups were lost",
+            registry=r,
+        )
+
+    def _weights(self, r: CollectorRegistry) -> None:
+        """Publishing, broadcasting and checkpointing the weights."""
         self.publish_seconds = Histogram(
             "grpo_learner_weight_publish_seconds", "time to write and announce weights", buckets=_SLOW, registry=r
         )
@@ -158,10 +180,10 @@ class LearnerMetrics(RedisMetrics):
             "grpo_learner_checkpoint_seconds", "time to write a checkpoint and acknowledge its groups", buckets=_SLOW,
             registry=r,
         )  # fmt: skip
-        self.stream_groups = Gauge(
-            "grpo_learner_stream_groups", "groups in the stream: unread, or read and pending", ["state"], registry=r
-        )
         self.checkpoint_step = Gauge("grpo_learner_checkpoint_step", "step of the newest checkpoint", registry=r)
+
+    def _health(self, r: CollectorRegistry) -> None:
+        """Held-out accuracy, alarms, the reference model and the run's length."""
         self.eval_accuracy = Gauge("grpo_learner_eval_accuracy", "greedy accuracy on held-out prompts", registry=r)
         self.alarm = _at_zero(
             Gauge("grpo_learner_alarm", "1 while an alarm (clip_ratio, zero_std) is raised", ["kind"], registry=r),
@@ -172,18 +194,16 @@ class LearnerMetrics(RedisMetrics):
         )
         # What the alert rules read (deploy/prometheus/alerts.yml): run_steps is set once, from the config.
         self.run_steps = Gauge("grpo_learner_run_steps", "run.steps: the step at which the learner ends", registry=r)
-        self.unexplained = Gauge(
-            "grpo_learner_accounting_unexplained_groups",
-            "groups produced less trained, dropped, dead and in the stream (DESIGN's accounting equation): 0 unless "
-            "groups were lost",
-            registry=r,
-        )
 
 
 class ActorMetrics(RedisMetrics):
     def __init__(self, registry: CollectorRegistry):
         super().__init__(registry)
-        r = registry
+        self._rounds(registry)
+        self._weights(registry)
+
+    def _rounds(self, r: CollectorRegistry) -> None:
+        """What each round sampled, graded, sent and filtered."""
         self.groups_produced = Counter("grpo_actor_groups_produced", "groups sent to the stream", registry=r)
         self.groups_filtered = _at_zero(
             Counter("grpo_actor_groups_filtered", "groups sampled and not sent", ["reason"], registry=r), FilterReason
@@ -207,6 +227,9 @@ class ActorMetrics(RedisMetrics):
             Counter("grpo_actor_grader_errors", "answers that crashed or timed out the grader", ["kind"], registry=r),
             GraderErrorKind,
         )
+
+    def _weights(self, r: CollectorRegistry) -> None:
+        """Loading new weights, the engine's replies, and waiting for the learner."""
         self.weight_load_seconds = Histogram(
             "grpo_actor_weight_load_seconds",
             "time to verify and load new weights (transport: disk or nccl)",
