@@ -22,7 +22,7 @@ class Batch:
     input_ids: torch.Tensor  # (B, L) long
     attention_mask: torch.Tensor  # (B, L) long
     loss_mask: torch.Tensor  # (B, L-1) float: 1 where the target is a completion token
-    behaviour_logprobs: torch.Tensor  # (B, L-1) float32, 0 outside the mask
+    behavior_logprobs: torch.Tensor  # (B, L-1) float32, 0 outside the mask
     rewards: torch.Tensor  # (B,) float32, group-contiguous
     group_size: int
     staleness: torch.Tensor  # (G,) long: learner version − policy version, per group
@@ -56,7 +56,7 @@ def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> B
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)
     attention = torch.zeros((b, width), dtype=torch.long)
     mask = torch.zeros((b, width - 1), dtype=torch.float32)
-    behaviour = torch.zeros((b, width - 1), dtype=torch.float32)
+    behavior = torch.zeros((b, width - 1), dtype=torch.float32)
     row = 0
     for g, c in zip(groups, cols, strict=True):
         prompt = torch.from_numpy(g.prompt_ids.astype(np.int64))
@@ -70,13 +70,13 @@ def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> B
             attention[row, : p + n] = 1
             # Token p+j is predicted at shifted position p+j−1.
             mask[row, p - 1 : p - 1 + n] = 1.0
-            behaviour[row, p - 1 : p - 1 + n] = logprobs[a:e]
+            behavior[row, p - 1 : p - 1 + n] = logprobs[a:e]
             row += 1
     return Batch(
         input_ids=input_ids,
         attention_mask=attention,
         loss_mask=mask,
-        behaviour_logprobs=behaviour,
+        behavior_logprobs=behavior,
         rewards=torch.from_numpy(np.concatenate([c.rewards for c in cols]).astype(np.float32)),
         group_size=group_size,
         staleness=torch.tensor([learner_version - g.policy_version for g in groups], dtype=torch.long),

@@ -16,6 +16,10 @@ and the per-token losses are aggregated by ``loss_type`` — the one place GRPO,
 - ``dapo``   (Yu et al., 2025): sum ÷ the token count of the whole optimizer step (``num_tokens``, summed across
   gradient-accumulation micro-batches), so each token weighs the same whatever micro-batch it sits in.
 
+Under gradient accumulation (and FSDP's ranks) each micro-batch's loss is weighted so that the parts add up to one
+big mini-batch's gradient (:func:`micro_batch_weight`); the aggregation and that weighting are one entry per loss type
+in :data:`LOSS_TYPES`.
+
 Metrics (token means over the mask): ``clip_ratio/low_mean`` (r < 1 − ε_low with A < 0: the clip stops a bad answer's
 probability from falling further), ``clip_ratio/high_mean`` (r > 1 + ε_high with A > 0), ``clip_ratio/region_mean``
 (either), and ``kl`` when β > 0.
@@ -24,10 +28,9 @@ probability from falling further), ``clip_ratio/high_mean`` (r > 1 + ε_high wit
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 def _grpo(per_token: torch.Tensor, mask: torch.Tensor, **_: object) -> torch.Tensor:
@@ -52,12 +55,48 @@ def _dapo(per_token: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | to
     return (per_token * mask).sum() / total.clamp(min=1.0)
 
 
-_AGGREGATE: dict[str, Callable[..., torch.Tensor]] = {
-    "grpo": _grpo,
-    "bnpo": _bnpo,
-    "dr_grpo": _dr_grpo,
-    "dapo": _dapo,
+def _row_share(mask: torch.Tensor, part: torch.Tensor, whole: torch.Tensor) -> float:
+    return len(part) / len(whole)
+
+
+def _token_share(mask: torch.Tensor, part: torch.Tensor, whole: torch.Tensor) -> float:
+    return float(mask[part].sum()) / max(float(mask[whole].sum()), 1.0)
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One loss type: how it aggregates a micro-batch's per-token losses, and what share of a micro-batch a part of
+    its rows is (``None``: the aggregate divides by the whole optimizer step already; see :func:`micro_batch_weight`).
+    """
+
+    aggregate: Callable[..., torch.Tensor]
+    share: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], float] | None
+
+
+# The one table of loss types; common.config's LearnerConfig.loss_type lists the same names (a test ties them).
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType(_grpo, _row_share),
+    # bnpo's token mean is per micro-batch by definition: a rank's slice weighs by its tokens.
+    "bnpo": LossType(_bnpo, _token_share),
+    "dr_grpo": LossType(_dr_grpo, _row_share),
+    "dapo": LossType(_dapo, None),
 }
+
+
+def micro_batch_weight(
+    loss_type: str, mask: torch.Tensor, mine: torch.Tensor, micro: torch.Tensor, rows: torch.Tensor
+) -> float:
+    """The factor on the loss of ``mine`` (this rank's rows of micro-batch ``micro``, of mini-batch ``rows``) that
+    makes gradient accumulation, and FSDP's ranks, add up to one big mini-batch's gradient.
+
+    ``dapo`` divides by the step's token count already (``num_tokens``): 1. The others are means over their
+    micro-batch: each is weighted by its share of the mini-batch's rows, which makes ``grpo`` and ``dr_grpo`` equal to
+    one big mini-batch (``bnpo``'s token mean stays per micro-batch, as its definition says); a rank's slice is
+    weighted by its share of the micro-batch the same way, by rows, or by tokens for ``bnpo``."""
+    share = LOSS_TYPES[loss_type].share
+    if share is None:
+        return 1.0
+    return share(mask, mine, micro) * len(micro) / len(rows)
 
 
 def grpo_loss(
@@ -76,8 +115,8 @@ def grpo_loss(
     num_tokens: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Shapes: (B, T) for every tensor except ``advantages`` (B,). Returns ``(loss, metrics)``."""
-    if loss_type not in _AGGREGATE:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, not {loss_type!r}")
     if beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs")
     mask = mask.to(logprobs.dtype)
@@ -97,7 +136,8 @@ def grpo_loss(
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
         per_token = per_token + beta * kl
 
-    loss = _AGGREGATE[loss_type](per_token, mask, max_completion_length=max_completion_length, num_tokens=num_tokens)
+    aggregate = LOSS_TYPES[loss_type].aggregate
+    loss = aggregate(per_token, mask, max_completion_length=max_completion_length, num_tokens=num_tokens)
 
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
@@ -115,7 +155,7 @@ def grpo_loss(
 
 def importance_weights(
     proximal: torch.Tensor,
-    behaviour: torch.Tensor,
+    behavior: torch.Tensor,
     mask: torch.Tensor,
     *,
     cap: float = 2.0,
@@ -134,7 +174,7 @@ def importance_weights(
     """
     if mode not in ("truncate", "mask"):
         raise ValueError(f"mode must be truncate or mask, not {mode!r}")
-    raw = torch.exp((proximal - behaviour) * mask)
+    raw = torch.exp((proximal - behavior) * mask)
     if mode == "truncate":
         weights = torch.clamp(raw, max=cap)
         cut = raw > cap

@@ -22,8 +22,6 @@ Departures from the textbook, each a config choice (the loss itself is learner.l
 from __future__ import annotations
 
 import contextlib
-import math
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +29,13 @@ import torch
 
 from common.advantages import group_advantages, overlong_penalty
 from common.config import Config
+from common.logprobs import token_logprobs
 from common.schemas import GroupMessage
 from learner.batch import Batch, assemble, sampled_reward_stats
 from learner.distributed import Ranks
-from learner.loss import grpo_loss, importance_weights
+from learner.loss import grpo_loss, importance_weights, micro_batch_weight
 from learner.schedule import lr_factor
+from learner.tally import PolicyStats, UpdateTally
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -89,10 +89,10 @@ class Trainer:
             # DAPO's overlong filtering: a cut-off answer is neither right nor wrong, so it teaches nothing.
             mask = mask * (~batch.truncated).to(mask.dtype).unsqueeze(1)
         adv, shaping = self.advantages(batch)
-        old, is_weights, seen = (None, None, {}) if self.fuse_proximal else self.old_logprobs(batch, mask)
+        old, is_weights, shown = (None, None, {}) if self.fuse_proximal else self.old_logprobs(batch, mask)
         ref = self._scored(self.reference, batch, mask)[0] if self.reference is not None else None
-        stats, first = self.update(batch, mask, adv, old, is_weights, ref)
-        stats |= seen or first  # behaviour mode: what the policy looked like, from the first mini-batch
+        stats, first = self.update(UpdateInputs(batch, mask, adv, old, is_weights, ref))
+        stats |= shown or first  # behavior mode: what the policy looked like, from the first mini-batch
         stats |= sampled_reward_stats(groups) | shaping
         stats |= {
             "completions/mean_length": float(batch.completion_lengths.mean()),
@@ -128,125 +128,126 @@ class Trainer:
         """The ratio's denominator, the importance weights, and (proximal mode) what the current policy shows."""
         lc = self.cfg.learner
         if lc.old_logprobs == "behavior":
-            return batch.behaviour_logprobs, None, {}
-        prox, seen = self._scored(self.model, batch, mask, Seen())
-        weights, w_stats = importance_weights(prox, batch.behaviour_logprobs, mask, cap=lc.tis_cap, mode=lc.is_mode)
-        return prox, weights, seen | w_stats
+            return batch.behavior_logprobs, None, {}
+        prox, shown = self._scored(self.model, batch, mask, self._policy_stats())
+        weights, w_stats = importance_weights(prox, batch.behavior_logprobs, mask, cap=lc.tis_cap, mode=lc.is_mode)
+        return prox, weights, shown | w_stats
 
-    def update(
-        self,
-        batch: Batch,
-        mask: torch.Tensor,
-        adv: torch.Tensor,
-        old: torch.Tensor | None,
-        is_weights: torch.Tensor | None,
-        ref: torch.Tensor | None,
-    ) -> tuple[dict[str, float], dict[str, float]]:
+    def update(self, inputs: UpdateInputs) -> tuple[dict[str, float], dict[str, float]]:
         """``updates_per_batch`` AdamW steps over shuffled mini-batches of ``grad_accum`` micro-batches each (sizes
-        as even as possible). Returns the metrics (token-weighted means) and, in behaviour mode, what the first
-        micro-batch saw before any update (proximal mode measured it in its scoring pass already). ``old`` None:
-        the proximal log-probs are each micro-batch's own, before the batch's single update (:class:`Fused`)."""
-        lc, temp = self.cfg.learner, self.cfg.sampling.temperature
-        weighted: dict[str, float] = defaultdict(float)
-        per_update: dict[str, float] = defaultdict(float)
-        fused = Fused(mask) if old is None else None
-        first = Seen() if lc.old_logprobs == "behavior" else None
-        first_taken = False
-        tokens_seen = 0.0
-        applied = 0
-        used_lr = self.lr
-        order = torch.randperm(len(batch.rewards), generator=self.generator).to(self.device)
+        as even as possible). Returns the metrics (token-weighted means) and, in behavior mode, what the first
+        micro-batch saw before any update (proximal mode measured it in its scoring pass already). ``inputs.old``
+        None: the proximal log-probs are each micro-batch's own, before the batch's single update
+        (:class:`FusedProximal`)."""
+        lc = self.cfg.learner
+        tally = UpdateTally(lr=self.lr)
+        fused = FusedProximal(inputs.mask, self._policy_stats(), lc) if inputs.old is None else None
+        first = self._policy_stats() if lc.old_logprobs == "behavior" else None
+        order = torch.randperm(len(inputs.batch.rewards), generator=self.generator).to(self.device)
         self.model.train()
         for rows in order.tensor_split(lc.updates_per_batch):
-            step_tokens = mask[rows].sum()
-            update_loss = 0.0
-            self.optimizer.zero_grad(set_to_none=True)
-            for micro in rows.tensor_split(lc.grad_accum):
-                mine = self._mine(micro)
-                with self.autocast():
-                    out = self.model(input_ids=batch.input_ids[mine], attention_mask=batch.attention_mask[mine])
-                logits = out.logits
-                logp_all = torch.log_softmax(logits[:, :-1].float() / temp, dim=-1)
-                logprobs = logp_all.gather(-1, batch.input_ids[mine, 1:].unsqueeze(-1)).squeeze(-1)
-                if first is not None and not first_taken and float(mask[micro].sum()) > 0:
-                    # The first micro-batch with tokens, judged on the whole micro-batch so that every rank takes
-                    # its slice of the same one.
-                    first.add(logp_all.detach(), logprobs.detach(), batch, mask, mine)
-                    first_taken = True
-                w_mine: torch.Tensor | None
-                if fused is not None:
-                    old_mine, w_mine = fused.add(logp_all.detach(), logprobs.detach(), batch, mine, lc)
-                else:
-                    assert old is not None
-                    old_mine, w_mine = old[mine], None if is_weights is None else is_weights[mine]
-                loss, m = grpo_loss(
-                    logprobs,
-                    old_mine,
-                    adv[mine],
-                    mask[mine],
-                    loss_type=lc.loss_type,
-                    epsilon_low=lc.epsilon_low,
-                    epsilon_high=lc.epsilon_high,
-                    beta=lc.beta,
-                    ref_logprobs=None if ref is None else ref[mine],
-                    max_completion_length=self.cfg.sampling.max_new_tokens,
-                    is_weights=w_mine,
-                    # dapo: the optimizer step's token count, so accumulation gives one big mini-batch's gradient
-                    num_tokens=step_tokens,
-                )
-                if lc.loss_type != "dapo":
-                    # The other types are means over their micro-batch's rows: weighting each by its share of the
-                    # mini-batch's rows makes grpo and dr_grpo equal to one big mini-batch (bnpo's token mean stays
-                    # per micro-batch, as its definition says). A rank's slice is weighted by its share of the
-                    # micro-batch the same way: by rows, or by tokens for bnpo.
-                    if lc.loss_type == "bnpo":
-                        share = float(mask[mine].sum()) / max(float(mask[micro].sum()), 1.0)
-                    else:
-                        share = len(mine) / len(micro)
-                    loss = loss * (share * len(micro) / len(rows))
-                # FSDP averages the ranks' gradients; their losses add up to the micro-batch's, so scale back.
-                (loss * self.world if self.world > 1 else loss).backward()
-                n = float(mask[mine].sum())
-                for k, v in m.items():
-                    weighted[k] += v * n
-                tokens_seen += n
-                update_loss += loss.item()
-            grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip))
-            if not torch.isfinite(grad_norm):
-                # One NaN/inf would poison every weight from here on: skip the update, and say so in the metrics.
-                per_update["updates_skipped_nonfinite"] += 1
-                self.optimizer.zero_grad(set_to_none=True)
-            else:
-                # Only applied updates count in the step's loss: a skipped one's is not finite and moved nothing.
-                per_update["loss"] += update_loss
-                per_update["grad_norm"] += grad_norm.item()
-                applied += 1
-                used_lr = self.lr
-                self.optimizer.step()
-            self.scheduler.step()
+            self._one_update(inputs, rows, tally, fused, first)
         self.model.eval()
-        if self.ranks is not None:  # the ranks' sums: token-weighted metrics, tokens, the loss's parts
-            keys = sorted(weighted)
-            total = self.ranks.sum([weighted[k] for k in keys] + [tokens_seen, per_update["loss"]])
-            weighted = defaultdict(float, zip(keys, total[: len(keys)], strict=True))
-            tokens_seen, per_update["loss"] = total[-2], total[-1]
+        if self.ranks is not None:
+            tally.reduce(self.ranks)
             if first is not None:
                 first.reduce(self.ranks)
-        seen = fused.finish(batch, lc, self.ranks) if fused is not None else first.stats() if first is not None else {}
-        stats = {k: v / max(tokens_seen, 1.0) for k, v in weighted.items()}
-        # The ranks agree on which updates were applied (the gradient norm is the whole model's).
-        stats |= {k: per_update[k] / applied if applied else math.nan for k in ("loss", "grad_norm")}
-        stats["updates_skipped_nonfinite"] = per_update["updates_skipped_nonfinite"]
-        stats["lr"] = used_lr  # the rate the step's last update used
-        return stats, seen
+        if fused is not None:
+            return tally.stats(), fused.finish(inputs.batch, self.ranks)
+        return tally.stats(), first.stats() if first is not None else {}
+
+    def _one_update(
+        self,
+        inputs: UpdateInputs,
+        rows: torch.Tensor,
+        tally: UpdateTally,
+        fused: FusedProximal | None,
+        first: PolicyStats | None,
+    ) -> None:
+        """One optimizer step on the mini-batch ``rows``: its micro-batches' gradients accumulated, then applied
+        unless their norm is not finite."""
+        step_tokens = inputs.mask[rows].sum()
+        update_loss = 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in rows.tensor_split(self.cfg.learner.grad_accum):
+            # The first micro-batch with tokens, judged on the whole micro-batch so that every rank takes its slice
+            # of the same one.
+            watch = first if first is not None and not first.slices and float(inputs.mask[micro].sum()) > 0 else None
+            update_loss += self._micro_batch(inputs, rows, micro, step_tokens, tally, fused, watch)
+        grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip))
+        if not torch.isfinite(grad_norm):
+            # One NaN/inf would poison every weight from here on: skip the update, and say so in the metrics.
+            tally.skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            tally.applied(update_loss, grad_norm.item(), self.lr)
+            self.optimizer.step()
+        self.scheduler.step()
+
+    def _micro_batch(
+        self,
+        inputs: UpdateInputs,
+        rows: torch.Tensor,
+        micro: torch.Tensor,
+        step_tokens: torch.Tensor,
+        tally: UpdateTally,
+        fused: FusedProximal | None,
+        watch: PolicyStats | None,
+    ) -> float:
+        """Forward and backward this rank's slice of the micro-batch ``micro``; ``watch`` records what the policy
+        shows on it. Returns the slice's (weighted) loss."""
+        lc, batch, mask = self.cfg.learner, inputs.batch, inputs.mask
+        mine = self._mine(micro)
+        with self.autocast():
+            logits = self.model(input_ids=batch.input_ids[mine], attention_mask=batch.attention_mask[mine]).logits
+        logits = logits[:, :-1]
+        logprobs = token_logprobs(logits, batch.input_ids[mine, 1:], self.cfg.sampling.temperature)
+        if watch is not None:
+            watch.add(logits.detach(), logprobs.detach(), batch, mask, mine)
+        old_mine, w_mine = self._old_of(inputs, fused, logits, logprobs, mine)
+        loss, m = grpo_loss(
+            logprobs,
+            old_mine,
+            inputs.adv[mine],
+            mask[mine],
+            loss_type=lc.loss_type,
+            epsilon_low=lc.epsilon_low,
+            epsilon_high=lc.epsilon_high,
+            beta=lc.beta,
+            ref_logprobs=None if inputs.ref is None else inputs.ref[mine],
+            max_completion_length=self.cfg.sampling.max_new_tokens,
+            is_weights=w_mine,
+            # dapo: the optimizer step's token count, so accumulation gives one big mini-batch's gradient
+            num_tokens=step_tokens,
+        )
+        loss = loss * micro_batch_weight(lc.loss_type, mask, mine, micro, rows)
+        # FSDP averages the ranks' gradients; their losses add up to the micro-batch's, so scale back.
+        (loss * self.world if self.world > 1 else loss).backward()
+        tally.add(m, float(mask[mine].sum()))
+        return loss.item()
+
+    def _old_of(
+        self,
+        inputs: UpdateInputs,
+        fused: FusedProximal | None,
+        logits: torch.Tensor,
+        logprobs: torch.Tensor,
+        mine: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ratio's denominator for the rows ``mine``, and their importance weights: the proximal log-probs of
+        this very forward (fused), or those the step was given."""
+        if fused is not None:
+            return fused.add(logits.detach(), logprobs.detach(), inputs.batch, mine)
+        assert inputs.old is not None
+        return inputs.old[mine], None if inputs.is_weights is None else inputs.is_weights[mine]
 
     @torch.no_grad()
     def _scored(
-        self, model: Any, batch: Batch, mask: torch.Tensor, seen: Seen | None = None
+        self, model: Any, batch: Batch, mask: torch.Tensor, watch: PolicyStats | None = None
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Log-probs of the batch's tokens under ``model`` in eval mode (no grad; 0 outside the mask), scored in
         chunks the size of a training micro-batch (so ``grad_accum`` bounds this pass's memory too), and, with
-        ``seen``, what the policy shows (see :class:`Seen`)."""
+        ``watch``, what the policy shows (see :class:`PolicyStats`)."""
         lc = self.cfg.learner
         out = torch.zeros_like(mask)
         for chunk in torch.arange(len(batch.rewards), device=mask.device).tensor_split(
@@ -257,16 +258,18 @@ class Trainer:
                 logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits[
                     :, :-1
                 ]
-            logp_all = torch.log_softmax(logits.float() / self.cfg.sampling.temperature, dim=-1)
-            logprobs = logp_all.gather(-1, batch.input_ids[rows, 1:].unsqueeze(-1)).squeeze(-1)
+            logprobs = token_logprobs(logits, batch.input_ids[rows, 1:], self.cfg.sampling.temperature)
             out[rows] = logprobs * mask[rows]
-            if seen is not None:
-                seen.add(logp_all, logprobs, batch, mask, rows)
+            if watch is not None:
+                watch.add(logits, logprobs, batch, mask, rows)
         if self.ranks is not None:  # each rank scored its slices (zeros elsewhere): the sum is every row's
             out = self.ranks.sum_tensor(out)
-            if seen is not None:
-                seen.reduce(self.ranks)
-        return out, seen.stats() if seen is not None else {}
+            if watch is not None:
+                watch.reduce(self.ranks)
+        return out, watch.stats() if watch is not None else {}
+
+    def _policy_stats(self) -> PolicyStats:
+        return PolicyStats(self.cfg.sampling.temperature)
 
     def _mine(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a micro-batch's rows (all of them in one process)."""
@@ -278,60 +281,42 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-@dataclass
-class Seen:
-    """What the policy shows over the completion tokens it is scored on: its mean entropy, and the mean
-    |learner − engine| log-prob where both are the same policy version (groups with staleness 0), which measures the
-    engine's numerical mismatch alone (absent when no such group was seen)."""
+@dataclass(frozen=True)
+class UpdateInputs:
+    """What every update of a step trains on. ``old`` None: proximal log-probs come from the training forward."""
 
-    entropy: float = 0.0
-    tokens: float = 0.0
-    mismatch: float = 0.0
-    fresh_tokens: float = 0.0
-
-    def add(self, logp_all: torch.Tensor, logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, rows: torch.Tensor):
-        m = mask[rows]
-        self.entropy += float((-(logp_all.exp() * logp_all).sum(-1) * m).sum())
-        self.tokens += float(m.sum())
-        fresh = m * (batch.row_staleness[rows] == 0).to(m.dtype).unsqueeze(1)
-        self.mismatch += float(((logprobs - batch.behaviour_logprobs[rows]).abs() * fresh).sum())
-        self.fresh_tokens += float(fresh.sum())
-
-    def reduce(self, ranks: Ranks) -> None:
-        self.entropy, self.tokens, self.mismatch, self.fresh_tokens = ranks.sum(
-            [self.entropy, self.tokens, self.mismatch, self.fresh_tokens]
-        )
-
-    def stats(self) -> dict[str, float]:
-        out = {"entropy": self.entropy / max(self.tokens, 1.0)}
-        if self.fresh_tokens:
-            out["mismatch/logprob_abs_mean"] = self.mismatch / self.fresh_tokens
-        return out
+    batch: Batch
+    mask: torch.Tensor
+    adv: torch.Tensor
+    old: torch.Tensor | None
+    is_weights: torch.Tensor | None
+    ref: torch.Tensor | None
 
 
-class Fused:
+class FusedProximal:
     """Proximal log-probs gathered from the training forward (one update per batch): each micro-batch's own, detached,
     with their importance weights; at the end, the same statistics the scoring pass reports."""
 
-    def __init__(self, mask: torch.Tensor):
+    def __init__(self, mask: torch.Tensor, shown: PolicyStats, lc: Any):
         self.mask = mask
         self.prox = torch.zeros_like(mask)
-        self.seen = Seen()
+        self.shown = shown
+        self.cap, self.mode = lc.tis_cap, lc.is_mode
 
     def add(
-        self, logp_all: torch.Tensor, logprobs: torch.Tensor, batch: Batch, rows: torch.Tensor, lc: Any
+        self, logits: torch.Tensor, logprobs: torch.Tensor, batch: Batch, rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.mask[rows]
         prox = logprobs * m
         self.prox[rows] = prox
-        self.seen.add(logp_all, logprobs, batch, self.mask, rows)
-        weights, _ = importance_weights(prox, batch.behaviour_logprobs[rows], m, cap=lc.tis_cap, mode=lc.is_mode)
+        self.shown.add(logits, logprobs, batch, self.mask, rows)
+        weights, _ = importance_weights(prox, batch.behavior_logprobs[rows], m, cap=self.cap, mode=self.mode)
         return prox, weights
 
-    def finish(self, batch: Batch, lc: Any, ranks: Ranks | None) -> dict[str, float]:
+    def finish(self, batch: Batch, ranks: Ranks | None) -> dict[str, float]:
         prox = self.prox
         if ranks is not None:
             prox = ranks.sum_tensor(prox)
-            self.seen.reduce(ranks)
-        _, w_stats = importance_weights(prox, batch.behaviour_logprobs, self.mask, cap=lc.tis_cap, mode=lc.is_mode)
-        return self.seen.stats() | w_stats
+            self.shown.reduce(ranks)
+        _, w_stats = importance_weights(prox, batch.behavior_logprobs, self.mask, cap=self.cap, mode=self.mode)
+        return self.shown.stats() | w_stats

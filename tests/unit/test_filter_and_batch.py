@@ -80,8 +80,8 @@ def test_assemble_places_completion_tokens_and_behaviour_logprobs() -> None:
         [0, 1, 0, 0, 0],
         [0, 1, 1, 0, 0],
     ]
-    assert b.behaviour_logprobs[1].tolist() == pytest.approx([0, 0, -0.1, -0.2, -0.3])
-    assert b.behaviour_logprobs[3].tolist() == pytest.approx([0, -0.1, -0.2, 0, 0])
+    assert b.behavior_logprobs[1].tolist() == pytest.approx([0, 0, -0.1, -0.2, -0.3])
+    assert b.behavior_logprobs[3].tolist() == pytest.approx([0, -0.1, -0.2, 0, 0])
     assert b.rewards.tolist() == [1.0, 0.0, 0.0, 1.0] and b.group_size == 2
     assert b.staleness.tolist() == [1, 2]
     assert b.truncated.tolist() == [False, True, False, False]

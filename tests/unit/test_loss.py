@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from learner.loss import LOSS_TYPES, grpo_loss
+from learner.loss import LOSS_TYPES, grpo_loss, micro_batch_weight
 
 
 def _case() -> dict[str, torch.Tensor]:
@@ -176,3 +176,34 @@ def test_masked_positions_cannot_overflow_into_nan() -> None:
     loss.backward()
     assert torch.isfinite(loss) and math.isfinite(m["kl"]) and torch.isfinite(logprobs.grad).all()
     assert logprobs.grad[0, 0].item() == 0.0
+
+
+def test_the_loss_table_lists_the_configs_loss_types() -> None:
+    from typing import get_args
+
+    from common.config import LearnerConfig
+
+    assert list(LOSS_TYPES) == list(get_args(LearnerConfig.model_fields["loss_type"].annotation))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_weighted_micro_batch_losses_add_up_to_the_whole_mini_batchs(loss_type: str) -> None:
+    """Micro-batches of unequal sizes, each split over two "ranks": the weighted parts sum to one big mini-batch's
+    loss (bnpo's token mean is per micro-batch by definition, so it has no such sum)."""
+    gen = torch.Generator().manual_seed(7)
+    b, t = 7, 5
+    mask = (torch.arange(t)[None, :] < torch.tensor([5, 1, 3, 0, 4, 2, 5])[:, None]).double()
+    logprobs = torch.randn(b, t, generator=gen, dtype=torch.float64) * 0.3 - 1
+    old = logprobs + torch.randn(b, t, generator=gen, dtype=torch.float64) * 0.2
+    adv = torch.randn(b, generator=gen, dtype=torch.float64)
+    kw = {"loss_type": loss_type, "max_completion_length": t, "num_tokens": mask.sum()}
+    rows = torch.arange(b)
+    whole, _ = grpo_loss(logprobs, old, adv, mask, **kw)
+    parts = 0.0
+    for micro in rows.tensor_split(3):
+        for mine in micro.tensor_split(2):
+            if len(mine) == 0:
+                continue
+            loss, _ = grpo_loss(logprobs[mine], old[mine], adv[mine], mask[mine], **kw)
+            parts += float(loss) * micro_batch_weight(loss_type, mask, mine, micro, rows)
+    assert parts == pytest.approx(float(whole), abs=1e-12)
