@@ -319,6 +319,14 @@ class Actor:
     def send(self, problems: list[Problem], groups: list[list[Sample]], rewards: list[list[float]]) -> None:
         """Filter zero-std groups (DAPO) and XADD the rest in one transaction with this round's counters and the
         summary of what was filtered (for the learner's reward figures; counted in Redis, not carried by a group)."""
+        payloads, counters, filtered = self._filter_and_encode(problems, groups, rewards)
+        if self._produce(payloads, counters, filtered):
+            self._count_sent(payloads, counters)
+
+    def _filter_and_encode(
+        self, problems: list[Problem], groups: list[list[Sample]], rewards: list[list[float]]
+    ) -> tuple[list[bytes], Counter[str], FilteredStats]:
+        """The round's group messages to send, its counters, and the summary of the groups it filtered out."""
         payloads: list[bytes] = []
         counters: Counter[str] = Counter()
         filtered = FilteredStats()
@@ -338,6 +346,10 @@ class Actor:
                             self.max_message_bytes)  # fmt: skip
                 continue
             payloads.append(payload)
+        return payloads, counters, filtered
+
+    def _produce(self, payloads: list[bytes], counters: Counter[str], filtered: FilteredStats) -> bool:
+        """Write the round; False when it was discarded instead (the run ended, or stopping ran out of time)."""
         # The bound is checked again with the writes, atomically: many actors together never overshoot it. A round
         # that does not fit waits whole (never half a round), also when the actor is asked to stop: then for up to
         # actor.stop_send_timeout_s, past which it is discarded, counted.
@@ -348,15 +360,18 @@ class Actor:
                                      max_bytes=limit) is None:  # fmt: skip
             if self.transport.is_done():  # the learner reads no more
                 self._discard(payloads, counters, filtered, "run_done")
-                return
+                return False
             if self.stop.is_set() and deadline is None:
                 deadline = time.monotonic() + self.cfg.actor.stop_send_timeout_s
                 log.info("stopping: waiting up to %.0fs for room to send the round in hand (%d groups)",
                          self.cfg.actor.stop_send_timeout_s, len(payloads))  # fmt: skip
             if deadline is not None and time.monotonic() >= deadline:
                 self._discard(payloads, counters, filtered, "stopped")
-                return
+                return False
             self._wait(lambda: not round_fits(self.transport.unread(), len(payloads), bound), deadline=deadline)
+        return True
+
+    def _count_sent(self, payloads: list[bytes], counters: Counter[str]) -> None:
         self.groups_sent += len(payloads)
         self.rounds += 1
         self.metrics.groups_produced.inc(len(payloads))

@@ -129,7 +129,7 @@ class GraderPool:
         result = GradeResult([0.0] * len(pairs))
         start = 0
         while start < len(pairs):
-            start = self._grade_from(pairs, start, result)
+            start = self._grade_with_worker(pairs, start, result)
         return result
 
     def _grade_inline(self, pairs: list[tuple[str, str]]) -> GradeResult:
@@ -140,7 +140,7 @@ class GraderPool:
                 result.errors[kind] += 1
         return result
 
-    def _grade_from(self, pairs: list[tuple[str, str]], start: int, result: GradeResult) -> int:
+    def _grade_with_worker(self, pairs: list[tuple[str, str]], start: int, result: GradeResult) -> int:
         """Send pairs[start:], collect scores; returns where to resume after a lost worker (len(pairs) when done)."""
         if self._worker is None:
             self._worker = _Worker(self.name)
