@@ -94,7 +94,7 @@ def save(
         model_state, optim = None, optimizer.state_dict()
     else:
         model_state, optim = ranks.full_model_state(model), ranks.full_optimizer_state(model, optimizer)
-        if not ranks.main:
+        if not ranks.is_rank0:
             return None
     root = Path(root)
     with writing(root):  # a read-only or full disk: one line and exit 2, and nothing acknowledged (see the caller)

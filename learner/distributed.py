@@ -40,7 +40,7 @@ class Ranks:
     device: str
 
     @property
-    def main(self) -> bool:
+    def is_rank0(self) -> bool:
         return self.rank == 0
 
     @classmethod
@@ -88,11 +88,11 @@ class Ranks:
         if not optimizer.state:
             # No update yet (every rank steps together, so all agree): torch would initialise the state with a
             # fake step to gather it, and a resumed AdamW would then start with a step count of 1 and zero moments.
-            return optimizer.state_dict() if self.main else {}
+            return optimizer.state_dict() if self.is_rank0 else {}
         sd: Any = get_optimizer_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        if not self.main:
+        if not self.is_rank0:
             return {}
         index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in sd["param_groups"]]
@@ -131,7 +131,7 @@ class Ranks:
 
     def broadcast(self, value: Any = None) -> Any:
         """Rank 0's ``value`` (msgpack-able: numbers, strings, bytes, lists, maps) at every rank."""
-        if self.main:
+        if self.is_rank0:
             data = msgpack.packb(value, use_bin_type=True)
             size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         else:
@@ -139,11 +139,11 @@ class Ranks:
         dist.broadcast(size, 0)
         buf = (
             torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-            if self.main
+            if self.is_rank0
             else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         )
         dist.broadcast(buf, 0)
-        return value if self.main else msgpack.unpackb(buf.cpu().numpy().tobytes(), raw=False)
+        return value if self.is_rank0 else msgpack.unpackb(buf.cpu().numpy().tobytes(), raw=False)
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sums over the ranks (float64)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from common.storage import StorageError
-from learner.loop import _json_row, metrics_rows
+from learner.record import _json_row, metrics_rows
 
 
 def test_non_finite_figures_are_written_as_null() -> None:

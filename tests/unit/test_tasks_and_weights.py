@@ -357,7 +357,7 @@ def test_concurrent_publishes_all_succeed_and_the_announced_version_is_kept(
 
     from common.metrics import LearnerMetrics
     from common.weights import wait_pruned
-    from learner.loop import Learner
+    from learner.publishing import Publisher
 
     root = tmp_path / "weights"
     announced: list[int] = []
@@ -379,7 +379,7 @@ def test_concurrent_publishes_all_succeed_and_the_announced_version_is_kept(
     versions = list(range(1, 41))
     random.Random(0).shuffle(versions)
     with ThreadPoolExecutor(max_workers=8) as pool:
-        errors = [f.exception() for f in [pool.submit(Learner._write, learner, v, None) for v in versions]]
+        errors = [f.exception() for f in [pool.submit(Publisher._write, learner, v, None) for v in versions]]
     assert errors == [None] * len(versions)
     assert announced == sorted(announced) and announced[-1] == 40  # versions never went back
     wait_pruned(root)

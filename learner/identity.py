@@ -1,0 +1,77 @@
+"""The run's identity in Redis, and what the learner does when Redis has lost the run.
+
+A learner names its run with a random id kept both in Redis and in every checkpoint. At start the two must agree: a
+learner pointed at another run's Redis (two runs under one ``run.name``) changes nothing there and stops with a
+configuration error. Redis holding no id at all means it lost the run's state (restarted without persistence,
+flushed, or failed over to an empty replica): the learner records the loss, recreates the stream, announces its
+current version again, and trains on.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import redis
+
+from common.config import Config, ConfigError
+from common.transport import Transport
+from learner.progress import Progress
+from learner.publishing import Publisher
+
+log = logging.getLogger("learner")
+
+
+class RunIdentity:
+    def __init__(self, cfg: Config, transport: Transport, progress: Progress, publisher: Publisher):
+        self.cfg = cfg
+        self.transport = transport
+        self.progress = progress
+        self.publisher = publisher
+
+    def claim(self) -> None:
+        """At start: the run id in Redis must be the checkpoint's. A fresh learner adopts the one in Redis (an
+        earlier learner of this run died before its first checkpoint) or names the run; a checkpoint of an earlier
+        build, which has none, names it too."""
+        found = self.transport.identity_id()
+        if not self.progress.run_id:
+            self.progress.run_id = found or secrets.token_hex(8)
+            self.transport.create_identity(self.progress.run_id)
+            return
+        self.check(found)
+
+    def check(self, found: str | None) -> None:
+        """``found``: the run id Redis holds now. Another run's id is a configuration mistake (two runs under one
+        ``run.name``); none at all means Redis lost this run's state, and the run goes on (see redis_lost)."""
+        run_id = self.progress.run_id
+        if found == run_id:
+            return
+        if found is not None:
+            raise ConfigError(
+                f"config error: Redis holds run {found} under run.name {self.cfg.run.name}, but this learner's "
+                f"checkpoints ({self.cfg.checkpoint.dir}) are run {run_id}'s: give each run its own run.name"
+            )
+        self.redis_lost()
+
+    def redis_lost(self) -> None:
+        """Redis restarted without persistence, was flushed or failed over to an empty replica: the stream, the
+        counters and the announcement are gone. Name the run again (recording what was lost), recreate the stream,
+        announce the current version again, and train on."""
+        p = self.progress
+        log.warning("Redis lost this run's state (restarted without persistence, flushed, or an empty replica): "
+                    "%d groups trained until step %d are no longer in its counters (recorded in %s); the groups in "
+                    "its stream are gone; training goes on", p.groups_consumed, p.step,
+                    self.transport.keys.identity)  # fmt: skip
+        self.transport.record_reset(p.run_id, p.step, p.groups_consumed)
+        self.transport.ensure_consumer_group()
+        p.window_ids, p.window_groups = [], []  # their entries are gone: nothing is left to acknowledge
+        self.publisher.announce_again()
+
+    def stream_gone(self, e: redis.ResponseError) -> bool:
+        """Whether a reply says the stream or its consumer group no longer exists (then: what happened to Redis?)."""
+        text = str(e)
+        if "NOGROUP" not in text and "no longer exists" not in text:
+            return False
+        self.check(self.transport.identity_id())
+        self.transport.ensure_consumer_group()  # the identity survived (the stream alone was deleted): recreate it
+        return True

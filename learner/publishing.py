@@ -1,0 +1,176 @@
+"""Publishing policy versions: ``gather the weights → write or broadcast → announce``, and versions that never go back.
+
+``weights.transport`` disk: each version is written to ``weights.dir`` and announced in Redis. nccl: a CPU snapshot
+goes to the broadcast thread (learner.broadcast), which announces it once its actors have it, or writes it to disk
+when they could not take it. Versions must never go back or name two different weights (actors and staleness rely on
+both), also across learner crashes (see :meth:`Publisher.continue_versions` and learner.lineage).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from common.config import Config
+from common.metrics import LearnerMetrics
+from common.schemas import SchemaError, WeightsAnnouncement
+from common.storage import writing
+from common.transport import Transport
+from common.weights import newest_on_disk, publish, tensors_digest
+from learner.broadcast import Broadcaster, Snapshot, snapshot
+from learner.distributed import Ranks
+from learner.progress import Progress
+
+log = logging.getLogger("learner")
+
+
+class Publisher:
+    def __init__(
+        self,
+        cfg: Config,
+        transport: Transport,
+        model: Any,
+        tokenizer: Any,
+        metrics: LearnerMetrics,
+        progress: Progress,
+        ranks: Ranks | None,
+    ):
+        self.cfg = cfg
+        self.transport = transport
+        self.model = model
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.progress = progress
+        self.ranks = ranks
+        self.broadcaster: Broadcaster | None = None  # weights.transport nccl, rank 0
+        self._publish_lock = threading.Lock()  # one writer: the broadcast thread may write a version to disk too
+        self._announced = -1  # the newest version this learner announced
+        self._last_announcement: WeightsAnnouncement | None = None  # announced again if Redis loses it
+
+    def continue_versions(self) -> None:
+        """A learner that crashed may have published weights of steps that no checkpoint has (or before its first
+        checkpoint). The weights we start from become the next version after every one announced or still on disk
+        (a Redis that lost its data no longer says), and a new epoch of the lineage begins there (learner.lineage)."""
+        p = self.progress
+        if self.ranks is None or self.ranks.is_rank0:
+            try:
+                announced = self.transport.latest_weights()
+            except SchemaError as e:  # garbage in weights:latest: this learner's first announcement replaces it
+                log.warning("ignoring weights:latest: %s", e)
+                announced = None
+            top = max(-1 if announced is None else announced.version, newest_on_disk(self.cfg.weights.dir))
+            if top > p.version:
+                epoch = max(p.lineage.current.epoch, 0 if announced is None else announced.epoch) + 1
+                log.info("version %d was published by an earlier learner after the state we start from: continuing "
+                         "at version %d (epoch %d, from step %d)", top, top + 1, epoch, p.step)  # fmt: skip
+                p.version = top + 1
+                p.lineage.begin(epoch, p.step, p.version)
+        if self.ranks is not None:
+            p.version = int(self.ranks.broadcast(p.version))
+
+    def publish(self) -> dict[str, float]:
+        """Rank 0 hands the current version on and announces it; under torchrun every rank first helps gather it
+        whole. With nccl, the first and last versions, every ``weights.disk_every``-th, and any version some live
+        actor cannot take over NCCL are written to disk here."""
+        whole = self.ranks.full_model_state(self.model) if self.ranks is not None else None
+        if self.ranks is not None and not self.ranks.is_rank0:
+            return {}
+        t0 = time.perf_counter()
+        counts: dict[str, float] = {}
+        if self.cfg.weights.transport == "nccl":
+            b = self._broadcaster()
+            counts = {"weights/nccl_rounds": float(b.rounds_ok), "weights/nccl_fallbacks": float(b.fallbacks)}
+            if not self._to_disk_now():
+                wc = self.cfg.weights
+                b.submit(self.progress.version, snapshot(self.model, whole, wc.dtype, int(wc.nccl_bucket_mb * 2**20)))
+                return {"time/publish_s": time.perf_counter() - t0, **counts}
+        self._write(self.progress.version, whole)
+        return {"time/publish_s": time.perf_counter() - t0, **counts}
+
+    def _broadcaster(self) -> Broadcaster:
+        if self.broadcaster is None:
+            device = str(self.ranks.device) if self.ranks is not None else self.cfg.model.device
+            self.broadcaster = Broadcaster(
+                self.cfg, self.transport, self.metrics, to_disk=self._fall_back,
+                announce_nccl=self._announce_nccl, announced=lambda: self._announced, device=device,
+            )  # fmt: skip
+        return self.broadcaster
+
+    def _to_disk_now(self) -> bool:
+        """Whether this nccl version goes to disk too: the first and last, every ``disk_every``-th, and any that a
+        live actor outside the update group could not take."""
+        wc, p = self.cfg.weights, self.progress
+        first, last = self._announced < 0, p.step == self.cfg.run.steps
+        periodic = wc.disk_every > 0 and p.version % wc.disk_every == 0
+        return first or last or periodic or self._actors_without_nccl()
+
+    def _write(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
+        """Write ``version`` to ``weights.dir`` and announce it, unless a newer one was announced meanwhile (the
+        broadcast thread falls back late). One writer: the training loop and the broadcast thread both come here,
+        and the lock covers the check, the write and the announcement, so their writes never overlap and the prune
+        keeps the version announced until the next one is (the training loop may wait for a fall-back's write)."""
+        wc = self.cfg.weights
+        with self._publish_lock:
+            if version < self._announced:
+                return
+            with writing(wc.dir):
+                pub = publish(
+                    self.model,
+                    self.tokenizer,
+                    wc.dir,
+                    version,
+                    wc.keep,
+                    wc.dtype,
+                    wc.digest,
+                    prune_in_background=True,
+                    state_dict=state,
+                    protect=[self._announced],
+                )
+            self._announce(pub.announcement)
+            self._announced = version
+        self.metrics.publish_seconds.observe(pub.seconds)
+        self.metrics.publish_bytes.set(pub.nbytes)
+
+    def _fall_back(self, version: int, snap: Snapshot) -> None:
+        self._write(version, snap.tensors())
+
+    def _announce_nccl(self, version: int, snap: Snapshot) -> None:
+        """Announce a version its members received over NCCL (``format: nccl``): actors that hold it skip it; the
+        digest (of the bytes sent) names its contents."""
+        checked, nbytes = tensors_digest(snap.flats, self.cfg.weights.digest)
+        b = self.broadcaster
+        group = b.group.name if b is not None and b.group is not None else ""
+        uri = f"nccl://{b.address if b is not None else ''}/{group}"
+        with self._publish_lock:
+            if version <= self._announced:
+                return
+            self._announce(WeightsAnnouncement(version, uri, checked, format="nccl"))
+            self._announced = version
+        self.metrics.publish_bytes.set(nbytes)
+
+    def _announce(self, ann: WeightsAnnouncement) -> None:
+        """Announce with this lineage's epoch (actors stamp it on their groups), and keep it to announce again."""
+        ann = replace(ann, epoch=self.progress.lineage.current.epoch)
+        self.transport.announce_weights(ann)
+        self._last_announcement = ann
+
+    def announce_again(self) -> None:
+        """After Redis lost the run: actors holding the last version announced see a version that did not go back."""
+        with self._publish_lock:  # the broadcast thread may be announcing a newer one: never announce over it
+            if self._last_announcement is not None:
+                self.transport.announce_weights(self._last_announcement)
+
+    def _actors_without_nccl(self) -> bool:
+        """Whether a live actor is not a member of the update group (its engine loads from disk only)."""
+        assert self.broadcaster is not None
+        return bool(set(self.transport.live_actors()) - set(self.broadcaster.members()))
+
+    def close(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+            self.broadcaster = None
