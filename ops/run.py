@@ -39,7 +39,7 @@ from common.procs import die_with_parent, stop_process
 from common.transport import Transport, read_balance
 
 if TYPE_CHECKING:
-    from ops.live_view import Startup
+    from ops.live_view import Progress, Startup
 
 log = logging.getLogger("run")
 
@@ -416,41 +416,9 @@ def main(argv: Sequence[str]) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        # Every check of the user's input first: a start that fails on one leaves no directory behind.
-        run.check_task()
-        run.prepare_model()
-        run.check_redis()
-        run.prepare_dir()
-        run.start_redis()
-        write_resolved(cfg, run.run_dir / "config.json")
-        run.start_children()
-        progress.header()
-        if cfg.run.actors == 0:
-            progress.say(run.actors_to_start())
-        with progress:
-            progress.endpoints(run.wait_for_endpoints(lambda: progress.starting(run.startup())))
-            while not run.check_children():
-                progress.update(run.read_rows())
-                if not progress.last:  # until the first step: what the run waits for
-                    progress.starting(run.startup())
-                time.sleep(0.25)
-        run.close_watcher()
-        progress.update(run.read_rows())
-        progress.finish()
-        run.wait_actors(_ACTOR_EXIT_GRACE_S)
-        run.stop_children()
-        t = Transport(cfg.redis, cfg.run.name)
-        try:
-            balance = read_balance(t)
-        finally:
-            t.close()
-        summary = summarise(run.rows, balance, time.perf_counter() - run.started)
-        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        progress.summary(summary)
-        if balance.unexplained:
-            log.error("the accounting does not balance: %s", balance.equation())
-            return 1
-        return 0
+        start_run(run, progress)
+        watch_run(run, progress)
+        return end_run(run, progress)
     except ChildFailed as e:
         if e.code == EXIT_USAGE:  # the child said what to fix in one line: so does grpo run
             log.error("%s (log: %s)", e.line, run.run_dir / "logs")
@@ -461,14 +429,66 @@ def main(argv: Sequence[str]) -> int:
         log.warning("interrupted (%s): stopping every process of the run", e)
         return 128 + e.signum
     finally:
-        for s in old:  # a second Ctrl-C must not cut the clean-up short
-            signal.signal(s, signal.SIG_IGN)
-        run.stop_children()
-        if run.redis_server is not None:
-            run.redis_server.stop()
-        run.close_watcher()
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        if run.prepared:
-            shutil.rmtree(run.run_dir / "redis", ignore_errors=True)
-            run.undo_dir()  # a start that failed before any process of the run started leaves nothing behind
+        clean_up(run, old)
+
+
+def start_run(run: Run, progress: Progress) -> None:
+    """Prepare, start Redis, start the learner and actors. Every check of the user's input comes first: a start that
+    fails on one leaves no directory behind."""
+    run.check_task()
+    run.prepare_model()
+    run.check_redis()
+    run.prepare_dir()
+    run.start_redis()
+    write_resolved(run.cfg, run.run_dir / "config.json")
+    run.start_children()
+    progress.header()
+    if run.cfg.run.actors == 0:
+        progress.say(run.actors_to_start())
+
+
+def watch_run(run: Run, progress: Progress) -> None:
+    """Show the run until the learner has finished (:class:`ChildFailed` when any child dies first)."""
+    with progress:
+        progress.endpoints(run.wait_for_endpoints(lambda: progress.starting(run.startup())))
+        while not run.check_children():
+            progress.update(run.read_rows())
+            if not progress.last:  # until the first step: what the run waits for
+                progress.starting(run.startup())
+            time.sleep(0.25)
+    run.close_watcher()
+    progress.update(run.read_rows())
+    progress.finish()
+
+
+def end_run(run: Run, progress: Progress) -> int:
+    """Stop the children and summarise: 0, or 1 when the accounting does not balance."""
+    run.wait_actors(_ACTOR_EXIT_GRACE_S)
+    run.stop_children()
+    t = Transport(run.cfg.redis, run.cfg.run.name)
+    try:
+        balance = read_balance(t)
+    finally:
+        t.close()
+    summary = summarise(run.rows, balance, time.perf_counter() - run.started)
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    progress.summary(summary)
+    if balance.unexplained:
+        log.error("the accounting does not balance: %s", balance.equation())
+        return 1
+    return 0
+
+
+def clean_up(run: Run, old: dict[signal.Signals, Any]) -> None:
+    """Stop everything, whatever ended the run, and give the signals back their handlers ``old``."""
+    for s in old:  # a second Ctrl-C must not cut the clean-up short
+        signal.signal(s, signal.SIG_IGN)
+    run.stop_children()
+    if run.redis_server is not None:
+        run.redis_server.stop()
+    run.close_watcher()
+    for s, handler in old.items():
+        signal.signal(s, handler)
+    if run.prepared:
+        shutil.rmtree(run.run_dir / "redis", ignore_errors=True)
+        run.undo_dir()  # a start that failed before any process of the run started leaves nothing behind
