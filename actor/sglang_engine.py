@@ -145,11 +145,11 @@ class SGLangClient:
             req.add_header("Content-Type", "application/json")
             try:
                 with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
-                    return _body(resp.read())
+                    return _reply_body(resp.read())
             except urllib.error.HTTPError as e:
                 raw = e.read()
                 if e.code in ok_statuses:  # an answer, not a failure (e.g. 400 with success: false)
-                    return _body(raw)
+                    return _reply_body(raw)
                 if e.code < 500 or attempt == total:
                     raise EngineError(f"{method} {path}: HTTP {e.code}: {raw[:500].decode(errors='replace')}") from None
                 error: Exception = e
@@ -172,7 +172,7 @@ class SGLangClient:
             return False
 
 
-def _body(raw: bytes) -> Any:
+def _reply_body(raw: bytes) -> Any:
     """JSON, or the text some endpoints answer with (``/flush_cache``)."""
     if not raw:
         return None
@@ -262,10 +262,10 @@ class SGLangEngine:
         )  # fmt: skip
         groups, served = parse_samples(self.client.request("POST", "/generate", body), len(prompts), n)
         if served is not None and served != self.served:
-            self._adopt(served)
+            self._adopt_served_version(served)
         return groups
 
-    def _adopt(self, served: str) -> None:
+    def _adopt_served_version(self, served: str) -> None:
         """/generate says the server holds another version than /model_info said: a server whose weights were loaded
         by a reply SGLang reports as a failure (the 400 of :meth:`load`) before this actor started. Its replies are
         the truth about what generated them; a name that is not a version of ours means someone else's weights."""
@@ -324,7 +324,7 @@ class SGLangEngine:
 
     # -- weights over NCCL (actor/nccl.py, common/weight_sync.py) ----------------------------------------------
 
-    def _control(self, path: str, body: dict[str, Any], timeout_s: float) -> None:
+    def _update_call(self, path: str, body: dict[str, Any], timeout_s: float) -> None:
         """A weight-update call: never retried (each one is a step of a collective), bounded by ``timeout_s``."""
         reply = self.client.request("POST", path, body, ok_statuses=(400,), timeout_s=timeout_s, retries=0)
         if not isinstance(reply, dict) or not reply.get("success"):
@@ -343,13 +343,13 @@ class SGLangEngine:
         body = {"master_address": rnd.address, "master_port": rnd.port, "rank_offset": rank_offset,
                 "world_size": rnd.world_size, "group_name": rnd.group, "backend": rnd.backend}  # fmt: skip
         try:
-            self._control("/init_weights_update_group", body, timeout_s)
+            self._update_call("/init_weights_update_group", body, timeout_s)
         except EngineError as e:
             self._unless_stuck(f"joining update group {rnd.group}", e)
 
     def leave_group(self, group: str) -> None:
         try:
-            self._control("/destroy_weights_update_group", {"group_name": group}, 30.0)
+            self._update_call("/destroy_weights_update_group", {"group_name": group}, 30.0)
         except EngineError as e:
             log.debug("leaving update group %s: %s", group, e)
 
@@ -359,7 +359,7 @@ class SGLangEngine:
         :class:`WeightsError` when the server refused or failed and still answers, :class:`EngineError` when not."""
         updated = False
         try:
-            self._control("/begin_weight_update", {}, timeout_s)
+            self._update_call("/begin_weight_update", {}, timeout_s)
             try:
                 for i, b in enumerate(rnd.buckets):
                     last = i == len(rnd.buckets) - 1
@@ -369,9 +369,9 @@ class SGLangEngine:
                     if last:
                         body["weight_version"] = str(rnd.version)
                     updated = True
-                    self._control("/update_weights_from_distributed", body, timeout_s)
+                    self._update_call("/update_weights_from_distributed", body, timeout_s)
             finally:
-                self._control("/end_weight_update", {}, timeout_s)
+                self._update_call("/end_weight_update", {}, timeout_s)
         except EngineError as e:
             if updated:  # SGLang loads each bucket as it comes: the server holds a mix of two versions now
                 self.version = -1
