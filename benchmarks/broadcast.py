@@ -133,8 +133,10 @@ def case(model: torch.nn.Module, model_dir: Path, root: Path, k: int, trials: in
             actors.wait()
             broadcast_s.append(time.perf_counter() - t0)
         ratios = [d / b for d, b in zip(disk_s, broadcast_s, strict=True)]
+        # Each trial's seconds too, that the medians can be checked against.
         return {"receivers": k, "disk_s": statistics.median(disk_s), "broadcast_s": statistics.median(broadcast_s),
-                "ratio": statistics.median(ratios), "buckets": len(buckets)}  # fmt: skip
+                "ratio": statistics.median(ratios), "buckets": len(buckets), "trials_disk_s": disk_s,
+                "trials_broadcast_s": broadcast_s}  # fmt: skip
     finally:
         if pg is not None:
             close_group(pg)

@@ -92,12 +92,14 @@ def raw_path(t: Transport, payloads: list[bytes]) -> float:
 def measure(t: Transport, completion_len: int, n_groups: int, trials: int) -> dict[str, float]:
     groups = make_groups(n_groups, completion_len)
     payloads = [encode_group(g) for g in groups]
-    ratios, project, raw = [], [], []
+    ratios, project, raw, project_s, raw_s = [], [], [], [], []
     project_path(t, groups[:ROUND])  # warm up both paths (script loading, allocations)
     raw_path(t, payloads[:ROUND])
     for _ in range(trials):
         p = project_path(t, groups)
         r = raw_path(t, payloads)
+        project_s.append(p)
+        raw_s.append(r)
         project.append(n_groups / p)
         raw.append(n_groups / r)
         ratios.append(r / p)
@@ -110,6 +112,8 @@ def measure(t: Transport, completion_len: int, n_groups: int, trials: int) -> di
         "ratio": statistics.median(ratios),
         "ratio_min": min(ratios),
         "goal": 0.5,
+        "trials_project_s": project_s,  # each trial's seconds, that the figures above can be checked against
+        "trials_raw_s": raw_s,
     }
 
 

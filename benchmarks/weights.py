@@ -96,6 +96,8 @@ def run(quick: bool) -> dict[str, object]:
         "ratio_min": min(ratios),
         "goal": 0.5,
         "ok": ratio >= 0.5,
+        "trials_project_s": p_s,  # each trial's seconds, that the figures above can be checked against
+        "trials_raw_s": r_s,
     }
 
 

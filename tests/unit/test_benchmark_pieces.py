@@ -1,9 +1,11 @@
-"""The pure pieces of benchmarks/: learning curves from metrics.jsonl rows, time to target, and the PNG plots."""
+"""The pure pieces of benchmarks/: learning curves from metrics.jsonl rows, time to target, and the PNG plots (decoded,
+at their size, with the colours of the series they were given)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +30,25 @@ def test_curve_and_time_to_target() -> None:
     assert curves.time_to_target({"seconds": [1.0], "reward": [0.1]}) is None
 
 
+def colours(png: Path) -> Any:
+    """The distinct RGB colours of ``png``, decoded, and its size."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(png) as image:
+        return np.unique(np.asarray(image.convert("RGB")).reshape(-1, 3).astype(int), axis=0), image.size
+
+
+def near(found: Any, rgb: tuple[int, int, int], within: int = 30) -> bool:
+    """Some colour of ``found`` close to ``rgb``: anti-aliasing blends a line's edges with the background."""
+    import numpy as np
+
+    return bool((np.abs(found - np.array(rgb)).sum(axis=1) <= within).any())
+
+
+BLUE, ORANGE, RED, GREY = (31, 119, 180), (255, 127, 14), (214, 39, 40), (128, 128, 128)
+
+
 def test_plots_write_pngs(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the bench extra (matplotlib) is not installed")
     b1 = {"cases": [{"g_over_t": r, "g_s": 0.4 * r, "t_s": 0.4, "sync_s_per_step": 0.4 + 0.4 * r,
@@ -37,6 +58,20 @@ def test_plots_write_pngs(tmp_path: Path) -> None:
            "accuracy": [0.0, 1.0]}  # fmt: skip
     pair = [{**run, "kind": "async"}, {**run, "kind": "sync", "synchronous": True}]
     demo = {"target_reward": 0.9, "runs": [{**run, "kind": "demo"}, *pair]}
-    for fn, result in ((plots.overlap, b1), (plots.scale, b5), (plots.curves, demo)):
+    # Each figure at its size (inches x 90 dpi), drawn in the colours its series are given: synchronous bars in the
+    # first colour of matplotlib's cycle and asynchronous ones in the second; the ideal scaling grey beside the
+    # measured line; the demo's seed in the cycle's first colour and the synchronous run red (text and axes are black
+    # anywhere, so black proves nothing).
+    expected = {
+        plots.overlap: (b1, (540, 360), [BLUE, ORANGE]),
+        plots.scale: (b5, (540, 360), [GREY, BLUE]),
+        plots.curves: (demo, (990, 360), [BLUE, RED]),
+    }
+    for fn, (result, size, drawn) in expected.items():
         png = tmp_path / f"{fn.__name__}.png"
-        assert fn(result, png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert fn(result, png)
+        found, shape = colours(png)
+        assert shape == size and len(found) > 2, (fn.__name__, shape, len(found))  # not blank, not one line only
+        assert all(near(found, rgb) for rgb in drawn), fn.__name__
+    # A series the plot was not given is not in it: the colour checks can fail.
+    assert not near(colours(tmp_path / "scale.png")[0], RED)
