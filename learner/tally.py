@@ -57,8 +57,7 @@ class PolicyStats:
     |learner − engine| log-prob where both are the same policy version (groups with staleness 0), which measures the
     engine's numerical mismatch alone (absent when no such group was seen)."""
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
+    def __init__(self) -> None:
         self.entropy = 0.0
         self.tokens = 0.0
         self.mismatch = 0.0
@@ -66,11 +65,11 @@ class PolicyStats:
         self.slices = 0  # how many slices of rows it was given (every rank gives its own, empty or not)
 
     @torch.no_grad()
-    def add(self, logits: torch.Tensor, logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, rows: torch.Tensor):
+    def add(self, logp_all: torch.Tensor, logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, rows: torch.Tensor):
+        """``logp_all``: every token's log-prob at the sampling temperature (common.logprobs.scaled_log_softmax),
+        as the trainer computed it for the loss; ``logprobs``: the sampled tokens'."""
         self.slices += 1
         m = mask[rows]
-        # The full distribution again (token_logprobs keeps only the sampled tokens'): entropy needs every token's.
-        logp_all = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         self.entropy += float((-(logp_all.exp() * logp_all).sum(-1) * m).sum())
         self.tokens += float(m.sum())
         fresh = m * (batch.row_staleness[rows] == 0).to(m.dtype).unsqueeze(1)

@@ -29,7 +29,7 @@ import torch
 
 from common.advantages import group_advantages, overlong_penalty
 from common.config import Config
-from common.logprobs import token_logprobs
+from common.logprobs import gather_tokens, scaled_log_softmax
 from common.schemas import GroupMessage
 from learner.batch import Batch, assemble, sampled_reward_stats
 from learner.distributed import Ranks
@@ -201,10 +201,12 @@ class Trainer:
         with self.autocast():
             logits = self.model(input_ids=batch.input_ids[mine], attention_mask=batch.attention_mask[mine]).logits
         logits = logits[:, :-1]
-        logprobs = token_logprobs(logits, batch.input_ids[mine, 1:], self.cfg.sampling.temperature)
+        # One log-softmax serves the loss (the sampled tokens') and the entropy (every token's).
+        logp_all = scaled_log_softmax(logits, self.cfg.sampling.temperature)
+        logprobs = gather_tokens(logp_all, batch.input_ids[mine, 1:])
         if watch is not None:
-            watch.add(logits.detach(), logprobs.detach(), batch, mask, mine)
-        old_mine, w_mine = self._old_of(inputs, fused, logits, logprobs, mine)
+            watch.add(logp_all.detach(), logprobs.detach(), batch, mask, mine)
+        old_mine, w_mine = self._old_of(inputs, fused, logp_all, logprobs, mine)
         loss, m = grpo_loss(
             logprobs,
             old_mine,
@@ -230,14 +232,14 @@ class Trainer:
         self,
         inputs: UpdateInputs,
         fused: FusedProximal | None,
-        logits: torch.Tensor,
+        logp_all: torch.Tensor,
         logprobs: torch.Tensor,
         mine: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The ratio's denominator for the rows ``mine``, and their importance weights: the proximal log-probs of
         this very forward (fused), or those the step was given."""
         if fused is not None:
-            return fused.add(logits.detach(), logprobs.detach(), inputs.batch, mine)
+            return fused.add(logp_all.detach(), logprobs.detach(), inputs.batch, mine)
         assert inputs.old is not None
         return inputs.old[mine], None if inputs.is_weights is None else inputs.is_weights[mine]
 
@@ -258,10 +260,11 @@ class Trainer:
                 logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits[
                     :, :-1
                 ]
-            logprobs = token_logprobs(logits, batch.input_ids[rows, 1:], self.cfg.sampling.temperature)
+            logp_all = scaled_log_softmax(logits, self.cfg.sampling.temperature)
+            logprobs = gather_tokens(logp_all, batch.input_ids[rows, 1:])
             out[rows] = logprobs * mask[rows]
             if watch is not None:
-                watch.add(logits, logprobs, batch, mask, rows)
+                watch.add(logp_all, logprobs, batch, mask, rows)
         if self.ranks is not None:  # each rank scored its slices (zeros elsewhere): the sum is every row's
             out = self.ranks.sum_tensor(out)
             if watch is not None:
@@ -269,7 +272,7 @@ class Trainer:
         return out, watch.stats() if watch is not None else {}
 
     def _policy_stats(self) -> PolicyStats:
-        return PolicyStats(self.cfg.sampling.temperature)
+        return PolicyStats()
 
     def _mine(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a micro-batch's rows (all of them in one process)."""
@@ -304,12 +307,12 @@ class FusedProximal:
         self.cap, self.mode = lc.tis_cap, lc.is_mode
 
     def add(
-        self, logits: torch.Tensor, logprobs: torch.Tensor, batch: Batch, rows: torch.Tensor
+        self, logp_all: torch.Tensor, logprobs: torch.Tensor, batch: Batch, rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.mask[rows]
         prox = logprobs * m
         self.prox[rows] = prox
-        self.shown.add(logits, logprobs, batch, self.mask, rows)
+        self.shown.add(logp_all, logprobs, batch, self.mask, rows)
         weights, _ = importance_weights(prox, batch.behavior_logprobs[rows], m, cap=self.cap, mode=self.mode)
         return prox, weights
 
