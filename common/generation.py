@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from common.logprobs import scaled_log_softmax
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -75,7 +77,8 @@ class SampledLogprobs:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[1] > self.prompt_width:
             self._gather(input_ids[:, -1])
-        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        # The learner's definition of a token's log-prob (common.logprobs): the ratio's two sides must be one function.
+        self.pending = scaled_log_softmax(scores, self.temperature)
         return scores
 
     def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
