@@ -25,13 +25,23 @@ from common.advantages import overlong_penalty
 from common.config import Config
 from common.generation import Sample
 from common.metrics import ActorMetrics
-from common.schemas import Completion, FilteredStats, GroupMessage, SchemaError, WeightsAnnouncement, encode_group
+from common.schemas import (
+    FORWARDED,
+    Completion,
+    FilteredStats,
+    GroupMessage,
+    SchemaError,
+    WeightsAnnouncement,
+    counter,
+    encode_group,
+)
 from common.tasks import Problem, PromptEncoder, make_task
 from common.transport import Admission, Transport, message_byte_limit, round_fits
 from common.weights import WeightsError
 from grader.pool import GraderPool
 
 log = logging.getLogger("actor")
+_FILTERED_ZERO_STD = counter("filtered", "zero_std")  # the stats field of the groups the zero-std filter keeps back
 
 
 @dataclass
@@ -334,14 +344,14 @@ class Actor:
             decision = self.filter.decide(self.shaped(samples, r))
             if decision is Decision.FILTER:
                 filtered += filtered_stats(r)
-                counters["groups_filtered:zero_std"] += 1
+                counters[_FILTERED_ZERO_STD] += 1
                 continue
             if decision is Decision.FORWARD:
-                counters["zero_std_forwarded"] += 1
+                counters[FORWARDED] += 1
                 self._warn_forward_once()
             payload = encode_group(self._message(problem, samples, r, decision is Decision.FORWARD))
             if len(payload) > self.max_message_bytes:  # the write script would refuse the round: not this group
-                counters["groups_discarded:oversized"] += 1
+                counters[counter("discarded", "oversized")] += 1
                 log.warning("discarding a group of %d bytes, over redis.max_message_bytes (%d)", len(payload),
                             self.max_message_bytes)  # fmt: skip
                 continue
@@ -375,16 +385,16 @@ class Actor:
         self.groups_sent += len(payloads)
         self.rounds += 1
         self.metrics.groups_produced.inc(len(payloads))
-        if counters["groups_filtered:zero_std"]:
-            self.metrics.groups_filtered.labels("zero_std").inc(counters["groups_filtered:zero_std"])
-        if counters["zero_std_forwarded"]:
-            self.metrics.groups_forwarded.inc(counters["zero_std_forwarded"])
+        if counters[_FILTERED_ZERO_STD]:
+            self.metrics.groups_filtered.labels("zero_std").inc(counters[_FILTERED_ZERO_STD])
+        if counters[FORWARDED]:
+            self.metrics.groups_forwarded.inc(counters[FORWARDED])
 
     def _discard(self, payloads: list[bytes], counters: Counter[str], filtered: FilteredStats, reason: str) -> None:
         """A round that will not be sent: counted as ``groups_discarded:<reason>`` (with the round's other counters
         and what it filtered), so that the sampling it cost shows."""
         log.warning("discarding a round of %d groups: %s", len(payloads), reason.replace("_", " "))
-        counters = Counter({**counters, f"groups_discarded:{reason}": len(payloads)})
+        counters = Counter({**counters, counter("discarded", reason): len(payloads)})
         self.transport.produce([], dict(counters), holder=self.id, filtered=filtered)
 
     def shaped(self, samples: list[Sample], rewards: list[float]) -> list[float]:

@@ -104,10 +104,9 @@ class Receiver:
         version arrived."""
         if self.stop.is_set():
             return False
-        raw = self.transport.nccl_round()
-        if raw is None:
+        rnd = self.transport.nccl_round()  # SchemaError when malformed, naming what is wrong
+        if rnd is None:
             return False
-        rnd = Round.from_json(raw)  # SchemaError when malformed, naming what is wrong
         if rnd.id == self.last or self.member not in rnd.ranks:
             return False
         self.last = rnd.id

@@ -50,9 +50,19 @@ Weights over NCCL (learner ⇄ actors, through Redis; the protocol is common.wei
     shapes); its id is ``<session>:<seq>``, what members write to ``nccl:ready``. ``NcclDecision`` (learner →
     ``nccl:state``): ``<round id>:<join|go|cancel>``.
 
-The forms live in three files behind this one: the group message's types and encoding (common.schemas_group), its
-decoding and validation (common.schemas_decode), and the small forms above it (common.schemas_control); the
-field checks they share are in common.schemas_fields. Import them from here.
+The run's state in Redis (common.schemas_state)
+    ``RunCounters`` (hash ``stats``: ``groups_produced``, ``groups_trained``, ``groups_dead``,
+    ``groups_replayed``, ``zero_std_forwarded`` and ``groups_<dropped|filtered|discarded>:<reason>``, each an
+    integer; :func:`counter` names the last),
+    ``RunIdentity`` (hash ``identity``), ``DoneMark`` (string ``done``), ``DeadLetter`` (an entry of the stream
+    ``dead``), ``Reservation`` (a field of the hash ``inflight``: ``<groups> <lease end ms>``) and the ``weights``
+    channel's message (:func:`weights_wakeup`). The Lua scripts of common.transport write several of them; they
+    write these forms, and tests read what they wrote back through them. ``prompts:cursor`` is a plain integer
+    (INCRBY), and ``trained_ids`` a sorted set of group ids scored by learner step.
+
+The forms live in four files behind this one: the group message's types and encoding (common.schemas_group), its
+decoding and validation (common.schemas_decode), the small forms above it (common.schemas_control) and the run's
+state (common.schemas_state); the field checks they share are in common.schemas_fields. Import them from here.
 
 A payload that fails here raises :class:`SchemaError` with a one-line reason; the learner moves it to the ``dead``
 stream with that reason and the raw bytes.
@@ -87,19 +97,46 @@ from common.schemas_group import (
     GroupMessage,
     encode_group,
 )
+from common.schemas_state import (
+    COUNTER_KINDS,
+    DEAD,
+    DEAD_LETTER_FIELDS,
+    FORWARDED,
+    PRODUCED,
+    REPLAYED,
+    TRAINED,
+    CounterKind,
+    DeadLetter,
+    DoneMark,
+    Reservation,
+    RunCounters,
+    RunIdentity,
+    counter,
+    weights_wakeup,
+)
 
 __all__ = [
+    "COUNTER_KINDS",
+    "DEAD",
+    "DEAD_LETTER_FIELDS",
     "DIGEST_HEX_LENGTHS",
     "DTYPES",
     "DTYPE_SIZES",
     "FINISH_REASONS",
+    "FORWARDED",
     "LOGPROB_FLOOR",
+    "PRODUCED",
     "READABLE_VERSIONS",
+    "REPLAYED",
     "SCHEMA_VERSION",
+    "TRAINED",
     "WEIGHTS_FORMATS",
     "Bucket",
     "Completion",
     "Completions",
+    "CounterKind",
+    "DeadLetter",
+    "DoneMark",
     "FilteredStats",
     "FinishReason",
     "GroupMessage",
@@ -107,10 +144,15 @@ __all__ = [
     "NcclDecision",
     "NcclDecisionName",
     "NcclMember",
+    "Reservation",
     "Round",
+    "RunCounters",
+    "RunIdentity",
     "SchemaError",
     "WeightsAnnouncement",
     "as_text",
+    "counter",
     "decode_group",
     "encode_group",
+    "weights_wakeup",
 ]

@@ -4,18 +4,21 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 
 =====================  ==========  ======================================================================
 ``groups``             stream      scored groups, consumer group ``learners``; field ``data`` = msgpack
-``dead``               stream      rejected messages: ``reason``, ``payload`` (raw bytes), ``source_id``
+``dead``               stream      rejected messages (common.schemas.DeadLetter): ``reason``, ``payload`` (raw
+                                   bytes), ``source_id``, ``at``, ``size``, ``truncated`` (a prefix of an oversized one)
 ``weights:latest``     hash        ``version``, ``uri``, ``digest``, ``format``, ``published_at``
-``weights``            channel     pub/sub: the new version number, published with the hash update
+``weights``            channel     pub/sub: the new version number (common.schemas.weights_wakeup), with the hash update
 ``prompts:cursor``     counter     shared by actors so replicas do not repeat prompts
 ``actors:<id>``        string+TTL  heartbeat (JSON, common.schemas.Heartbeat)
-``stats``              hash        durable counters, see below
-``done``               string      set by the learner after its last step; actors exit when they see it
+``stats``              hash        durable counters (common.schemas.RunCounters), see below
+``done``               string      set by the learner after its last step (common.schemas.DoneMark); actors exit then
 ``trained_ids``        sorted set  group ids trained on, by step (a bounded window), to train a duplicate once
 ``inflight``           hash        rounds actors are sampling: actor id -> ``<groups> <lease end, ms of Redis's clock>``
+                                   (common.schemas.Reservation)
 ``filtered``           hash        running sums over the groups actors filtered out (``groups``, ``zero_std_groups``,
                                    ``completions``, ``reward_sum``, ``reward_std_sum``): the learner's reward figures
-``identity``           hash        the run's identity (``id``, ``created_at``), also in every checkpoint; and what a
+``identity``           hash        the run's identity (common.schemas.RunIdentity: ``id``, ``created_at``), also in
+                                   every checkpoint; and what a
                                    Redis that lost its data lost (``resets``, ``reset_at``, ``reset_step``,
                                    ``trained_before_reset``: groups trained before the loss, not in ``stats``)
 =====================  ==========  ======================================================================

@@ -59,7 +59,8 @@ return ids
 
 
 # Reserve room for a round an actor is about to sample (see Admission). Reservations are leases on Redis's clock,
-# renewed by the actor's heartbeat: a killed actor's expires and is removed here.
+# renewed by the actor's heartbeat: a killed actor's expires and is removed here. A reservation's value is the wire
+# module's Reservation form, "<groups> <lease end ms>", which this script and _RENEW write and read.
 _RESERVE = (
     _UNREAD_LUA
     + """

@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 
-from common.schemas import as_text
+from common.schemas import DeadLetter, as_text
 from common.transport_connection import CONSUMER_GROUP, Connection, Lua
 from common.transport_delivery import DEAD_PREFIX_BYTES, StreamEntry
 
@@ -61,11 +61,12 @@ class DeadLetters(Connection):
             )
         )
 
-    def dead_letters(self, count: int, start: str = "-") -> list[StreamEntry]:
-        """The oldest ``count`` dead letters from ``start`` (fields: reason, payload, source_id, at, size, and
-        ``truncated`` when the payload is only the first ``DEAD_PREFIX_BYTES`` of an oversized message)."""
+    def dead_letters(self, count: int, start: str = "-") -> list[DeadLetter]:
+        """The oldest ``count`` dead letters from ``start`` (:class:`~common.schemas.DeadLetter`: ``truncated`` when
+        the payload is only the first ``DEAD_PREFIX_BYTES`` of an oversized message); SchemaError (one line) for an
+        entry that is not a dead letter."""
         reply: Any = self._do(lambda: self.client.xrange(self.keys.dead, min=start, count=count))
-        return [StreamEntry(as_text(i), f) for i, f in reply]
+        return [DeadLetter.from_fields(as_text(i), f) for i, f in reply]
 
     def dead_letter_count(self) -> int:
         return int(self._do(lambda: self.client.xlen(self.keys.dead)))

@@ -12,7 +12,7 @@ from typing import Any, cast
 import redis
 
 from common.metrics import DropReason
-from common.schemas import as_text
+from common.schemas import as_text, counter
 from common.transport_connection import CONSUMER_GROUP, Connection, Lua
 
 _SCRIPT_CHUNK = 1000  # ids per script call (Lua's unpack has a stack limit)
@@ -236,4 +236,4 @@ class Delivering(Connection):
 
     def drop(self, ids: list[str], reason: DropReason) -> None:
         """Groups the learner refuses (e.g. too stale): XACK + XDEL + groups_dropped:<reason>, atomically."""
-        self._settle(ids, f"groups_dropped:{reason}")
+        self._settle(ids, counter("dropped", reason))

@@ -26,13 +26,12 @@ class Membership(Connection):
         body = Heartbeat(os.getpid(), time.time(), **info).encode()
         self._do(lambda: self.client.set(self.keys.actor(actor_id), body, px=max(1, int(ttl_s * 1000))))
 
-    def live_actors(self) -> dict[str, dict[str, Any]]:
-        """Heartbeats of the actors whose key has not expired, by actor id, each as its JSON object; SchemaError
-        when one is malformed."""
+    def live_actors(self) -> dict[str, Heartbeat]:
+        """Heartbeats of the actors whose key has not expired, by actor id; SchemaError when one is malformed."""
         keys = self._do(lambda: list(self.client.scan_iter(match=self.keys.actor("*"), count=100)))
         values = self._do(lambda: self.client.mget(keys)) if keys else []
         return {
-            as_text(k).rsplit(":", 1)[-1]: Heartbeat.decode(v).fields()
+            as_text(k).rsplit(":", 1)[-1]: Heartbeat.decode(v)
             for k, v in zip(keys, values, strict=True)
             if v is not None
         }
@@ -47,16 +46,15 @@ class Membership(Connection):
     def nccl_unregister(self, member: str) -> None:
         self._do(lambda: self.client.hdel(self.keys.nccl_members, member))
 
-    def nccl_members(self, max_age_s: float) -> dict[str, dict[str, Any]]:
-        """Members registered in the last ``max_age_s``, id -> what they registered (a
-        :class:`~common.schemas.NcclMember`'s JSON object); older or malformed entries (an actor killed before it
-        could unregister) are removed, unless re-registered meanwhile."""
+    def nccl_members(self, max_age_s: float) -> dict[str, NcclMember]:
+        """Members registered in the last ``max_age_s``, by id; older or malformed entries (an actor killed before
+        it could unregister) are removed, unless re-registered meanwhile."""
         now = self.server_time()
-        members: dict[str, dict[str, Any]] = {}
+        members: dict[str, NcclMember] = {}
         for k, v in self._do(lambda: self.client.hgetall(self.keys.nccl_members)).items():
             member = _member(v)
             if member is not None and now - member.at <= max_age_s:
-                members[as_text(k)] = member.fields()
+                members[as_text(k)] = member
             else:
                 self._hdel_if(self.keys.nccl_members, k, v)
         return members
@@ -64,15 +62,17 @@ class Membership(Connection):
     def _hdel_if(self, key: str, field: Any, value: Any) -> None:
         self._do(lambda: self._hdel_if_script(keys=[key], args=[field, value]))
 
-    def nccl_open_round(self, round_json: str) -> None:
+    def nccl_open_round(self, rnd: Round) -> None:
         """Start a round: its description, no one ready yet, no decision (members poll for it)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(self.keys.nccl_ready, self.keys.nccl_state)
-        pipe.set(self.keys.nccl_round, round_json)
+        pipe.set(self.keys.nccl_round, rnd.to_json())
         self._do(pipe.execute)
 
-    def nccl_round(self) -> bytes | None:
-        return cast("bytes | None", self._do(lambda: self.client.get(self.keys.nccl_round)))
+    def nccl_round(self) -> Round | None:
+        """The current round; None when there is none; SchemaError (one line) when it is malformed."""
+        raw = cast("bytes | None", self._do(lambda: self.client.get(self.keys.nccl_round)))
+        return None if raw is None else Round.from_json(raw)
 
     def nccl_ready(self, round_id: str, member: str) -> None:
         """``round_id``: the learner's session and the round's sequence number, ``<session>:<seq>``."""

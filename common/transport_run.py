@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import redis
 
-from common.schemas import WeightsAnnouncement, as_text
+from common.schemas import PRODUCED, DoneMark, RunCounters, RunIdentity, WeightsAnnouncement, as_text, weights_wakeup
 from common.transport_admission import UNREAD
 from common.transport_connection import CONSUMER_GROUP, Connection, Lua
 
@@ -54,7 +54,7 @@ class RunState(Connection):
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(self.keys.weights_latest)  # no field of an earlier build's announcement outlives it
         pipe.hset(self.keys.weights_latest, mapping=cast(Any, ann.to_hash()))
-        pipe.publish(self.keys.weights_channel, str(ann.version))
+        pipe.publish(self.keys.weights_channel, weights_wakeup(ann.version))
         self._do(pipe.execute)
 
     def latest_weights(self) -> WeightsAnnouncement | None:
@@ -69,7 +69,7 @@ class RunState(Connection):
         return ps
 
     def mark_done(self) -> None:
-        self._do(lambda: self.client.set(self.keys.done, repr(self.server_time())))
+        self._do(lambda: self.client.set(self.keys.done, DoneMark(self.server_time()).encode()))
 
     def clear_done(self) -> None:
         self._do(lambda: self.client.delete(self.keys.done))
@@ -79,9 +79,11 @@ class RunState(Connection):
         after the mark exits at once, and a learner resuming a run clears the mark while it trains."""
         return bool(self._do(lambda: self.client.exists(self.keys.done)))
 
-    def identity(self) -> dict[str, str]:
-        """The run's identity hash; empty when Redis holds none (a new run, or a Redis that lost its data)."""
-        return {as_text(k): as_text(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.identity)).items()}
+    def identity(self) -> RunIdentity | None:
+        """The run's identity; None when Redis holds none (a new run, or a Redis that lost its data); SchemaError
+        (one line) when the hash is malformed."""
+        h = self._do(lambda: self.client.hgetall(self.keys.identity))
+        return RunIdentity.from_hash(h) if h else None
 
     def identity_id(self) -> str | None:
         """The run id alone: one HGET, cheap enough for every learner step."""
@@ -90,32 +92,35 @@ class RunState(Connection):
 
     def create_identity(self, run_id: str) -> None:
         """Name the run in Redis (kept if another learner named it first)."""
-        now = repr(self.server_time())
         pipe = self.client.pipeline(transaction=True)
-        pipe.hsetnx(self.keys.identity, "id", run_id)
-        pipe.hsetnx(self.keys.identity, "created_at", now)
+        for name, value in RunIdentity.first_fields(run_id, self.server_time()).items():
+            pipe.hsetnx(self.keys.identity, name, value)
         self._do(pipe.execute)
 
     def record_reset(self, run_id: str, step: int, trained_before: int) -> None:
         """Name the run again in a Redis that lost its data, recording the loss: when, at which learner step, and
         how many groups had been trained before it (no longer in ``stats``; ``grpo status`` reports them)."""
-        now = repr(self.server_time())
+        now = self.server_time()
         pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.keys.identity, mapping={"id": run_id, "reset_at": now, "reset_step": step,
-                                               "trained_before_reset": trained_before})  # fmt: skip
-        pipe.hsetnx(self.keys.identity, "created_at", now)
+        pipe.hset(self.keys.identity, mapping=cast(Any, RunIdentity.reset_fields(run_id, now, step, trained_before)))
+        pipe.hsetnx(self.keys.identity, "created_at", RunIdentity.first_fields(run_id, now)["created_at"])
         pipe.hincrby(self.keys.identity, "resets", 1)
         self._do(pipe.execute)
 
+    def counters(self) -> RunCounters:
+        """The durable counters (hash ``stats``); SchemaError (one line) when the hash holds something else."""
+        return RunCounters.from_hash(self._do(lambda: self.client.hgetall(self.keys.stats)))
+
     def stats(self) -> dict[str, int]:
-        return {as_text(k): int(v) for k, v in self._do(lambda: self.client.hgetall(self.keys.stats)).items()}
+        """The counters as the hash holds them, by field name (read through :class:`RunCounters`)."""
+        return self.counters().to_hash()
 
     def started_signs(self) -> tuple[bool, int]:
         """Whether weights are announced (the learner has loaded its model) and how many groups actors have sent:
         one round trip, for a view of the run's start-up."""
         pipe = self.client.pipeline(transaction=False)
         pipe.exists(self.keys.weights_latest)
-        pipe.hget(self.keys.stats, "groups_produced")
+        pipe.hget(self.keys.stats, PRODUCED)
         announced, produced = self._do(pipe.execute)
         return bool(announced), int(produced or 0)
 
@@ -155,21 +160,17 @@ class RunState(Connection):
         pipe.xlen(self.keys.groups)
         self._unread_script(keys=[self.keys.groups], args=[CONSUMER_GROUP], client=pipe)
         raw, xlen, unread = self._do(pipe.execute)
-        s = {as_text(k): int(v) for k, v in raw.items()}
+        c = RunCounters.from_hash(raw)
         return Balance(
-            produced=s.get("groups_produced", 0),
-            trained=s.get("groups_trained", 0),
-            dropped=_by_reason(s, "groups_dropped:"),
-            dead=s.get("groups_dead", 0),
+            produced=c.produced,
+            trained=c.trained,
+            dropped=c.dropped,
+            dead=c.dead,
             in_stream=int(xlen),
-            filtered=_by_reason(s, "groups_filtered:"),
+            filtered=c.filtered,
             unread=int(unread),
-            discarded=_by_reason(s, "groups_discarded:"),
+            discarded=c.discarded,
         )
-
-
-def _by_reason(stats: dict[str, int], prefix: str) -> dict[str, int]:
-    return {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith(prefix)}
 
 
 def read_balance(t: RunState) -> Balance:

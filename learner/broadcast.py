@@ -26,6 +26,7 @@ import torch
 from common.config import Config
 from common.metrics import BroadcastFallback, LearnerMetrics
 from common.net import free_port
+from common.schemas import NcclMember
 from common.transport import Transport
 from common.weight_sync import (
     Bucket,
@@ -126,8 +127,8 @@ class _Group:
     pg: Any = None
 
 
-def _identity(members: dict[str, dict[str, Any]]) -> dict[str, tuple[int, str]]:
-    return {m: (int(d.get("ranks", 1)), str(d.get("nonce", ""))) for m, d in members.items()}
+def _identity(members: dict[str, NcclMember]) -> dict[str, tuple[int, str]]:
+    return {m: (d.ranks, d.nonce) for m, d in members.items()}
 
 
 class Broadcaster:
@@ -168,7 +169,7 @@ class Broadcaster:
 
     # -- the training loop's side -------------------------------------------------------------------------------
 
-    def members(self) -> dict[str, dict[str, Any]]:
+    def members(self) -> dict[str, NcclMember]:
         return self.transport.nccl_members(self.cfg.run.heartbeat_ttl_s)
 
     def submit(self, version: int, snap: Snapshot) -> None:
@@ -248,9 +249,7 @@ class Broadcaster:
         # A new group when the members changed (or one restarted: a new nonce), or when one of them is not in the
         # group it was formed into (it left after a failure it saw and the learner did not).
         fresh = (
-            group is None
-            or group.members != _identity(members)
-            or any(d.get("group") != group.name for d in members.values())
+            group is None or group.members != _identity(members) or any(d.group != group.name for d in members.values())
         )
         if fresh:
             self._close_group()
@@ -263,7 +262,7 @@ class Broadcaster:
         self.seq += 1
         rnd = Round(self.session, self.seq, version, group.name, self.address, group.port, group.world_size,
                     self.wc.nccl_backend, group.ranks, snap.buckets)  # fmt: skip
-        self.transport.nccl_open_round(rnd.to_json())
+        self.transport.nccl_open_round(rnd)
         # Nobody enters the group's rendezvous or a broadcast until every member said it is ready: a member that is
         # slow or gone cancels the round before anyone is inside a collective that could not complete.
         deadline = time.monotonic() + timeout

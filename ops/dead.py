@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from common.cli import EXIT_USAGE, role_parser
 from common.config import load_config
-from common.schemas import SchemaError, as_text, decode_group
+from common.schemas import SchemaError, decode_group
 from common.transport import Transport
 from ops.query import asking, query_transport, unknown_run_line
 
@@ -48,11 +48,10 @@ def _dead(t: Transport, args: argparse.Namespace) -> int:
         return _show(t, args.show)
     entries = t.dead_letters(args.limit, args.start)
     total = t.dead_letter_count()
-    print(f"{total} dead letters in {t.keys.dead}; groups_dead = {t.stats().get('groups_dead', 0)}")
+    print(f"{total} dead letters in {t.keys.dead}; groups_dead = {t.counters().dead}")
     for e in entries:
-        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(as_text(e.fields.get(b"at", b"0")))))
-        size = int(e.fields.get(b"size") or len(e.fields.get(b"payload", b"")))  # the message's, not the prefix's
-        print(f"{e.id}  {at}  {size:>8} B  {as_text(e.fields.get(b'reason', b''))}")
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.at))
+        print(f"{e.id}  {at}  {e.size:>8} B  {e.reason}")  # the message's size, not the kept prefix's
     return 0
 
 
@@ -61,17 +60,16 @@ def _show(t: Transport, entry_id: str) -> int:
     if not found or found[0].id != entry_id:
         print(f"grpo dead: no entry {entry_id}", file=sys.stderr)
         return 1
-    f = found[0].fields
-    payload = f.get(b"payload", b"")
-    print(f"reason: {as_text(f.get(b'reason', b''))}\nsource stream id: {as_text(f.get(b'source_id', b''))}")
+    letter = found[0]
+    payload = letter.payload
+    print(f"reason: {letter.reason}\nsource stream id: {letter.source_id}")
     try:
         msg = decode_group(payload)
         print(f"decodes now as a group: prompt {msg.prompt_id}, version {msg.policy_version}, actor {msg.actor_id}")
     except SchemaError as e:
         print(f"does not decode: {e}")
-    if f.get(b"truncated") == b"1":
-        size = as_text(f.get(b"size", b"?"))
-        print(f"kept: the first {len(payload)} of its {size} bytes (oversized: it cannot be replayed)")
+    if letter.truncated:
+        print(f"kept: the first {len(payload)} of its {letter.size} bytes (oversized: it cannot be replayed)")
     print(f"payload ({len(payload)} bytes): {payload[:4096].hex()}{'…' if len(payload) > 4096 else ''}")
     return 0
 

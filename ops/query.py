@@ -14,6 +14,7 @@ from typing import TypeVar
 import redis
 
 from common.config import Config, mask_url
+from common.schemas import SchemaError
 from common.transport import Transport, TransportError
 
 T = TypeVar("T")
@@ -40,11 +41,14 @@ def query_transport(cfg: Config) -> Transport:
 
 
 def asking(t: Transport, fn: Callable[[], T]) -> T:
-    """``fn()``, with a connection lost mid-question said like one that was never there (no retries here)."""
+    """``fn()``, with a connection lost mid-question said like one that was never there (no retries here), and a
+    malformed value of the run as one line too."""
     try:
         return fn()
     except (redis.ConnectionError, redis.TimeoutError) as e:
         raise TransportError(f"redis at {t.safe_url} is unreachable: {e}") from None
+    except SchemaError as e:  # a value of the run that no build of this project wrote: said, not a traceback
+        raise TransportError(f"redis at {t.safe_url} holds a malformed value of run {t.keys.prefix}*: {e}") from None
 
 
 def known_runs(t: Transport) -> list[str] | None:

@@ -77,7 +77,7 @@ def _report(cfg: Config, t: Transport) -> dict[str, Any] | None:
         "published_version": None if ann is None else ann.version,
         "weights_malformed": weights_problem,
         "done": t.is_done(),
-        "actors": {k: v.get("version") for k, v in sorted(actors.items())},
+        "actors": {k: v.version for k, v in sorted(actors.items())},
     }
 
 
@@ -108,11 +108,11 @@ def lost_state(cfg: Config, t: Transport, trained: int) -> list[str]:
     that Redis holds nothing of, another run's identity, or fewer trained groups than they show."""
     identity = t.identity()
     lost = []
-    before = int(identity.get("trained_before_reset", 0))
-    if "reset_at" in identity:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(identity["reset_at"])))
-        lost.append(f"Redis lost this run's state at {when} (learner step {identity.get('reset_step')}, "
-                    f"{identity.get('resets')} time(s)): {before} groups trained before are not in these "
+    before = identity.trained_before_reset if identity is not None else 0
+    if identity is not None and identity.reset_at is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(identity.reset_at))
+        lost.append(f"Redis lost this run's state at {when} (learner step {identity.reset_step}, "
+                    f"{identity.resets} time(s)): {before} groups trained before are not in these "
                     "counts")  # fmt: skip
     found = _newest_checkpoint(Path(cfg.checkpoint.dir))
     if found is None:
@@ -120,11 +120,11 @@ def lost_state(cfg: Config, t: Transport, trained: int) -> list[str]:
     path, state = found
     run_id, step = state.get("run_id"), state.get("step")
     shown = int(state.get("counters", {}).get("groups_consumed", 0))
-    if run_id and "id" not in identity:
+    if run_id and identity is None:
         lost.append(f"Redis holds nothing of run {run_id}, which {path} shows trained to step {step} ({shown} "
                     f"groups): it lost the run's state (the learner records it when it next starts)")  # fmt: skip
-    elif run_id and identity["id"] != run_id:
-        lost.append(f"Redis holds run {identity['id']} under this run.name, not run {run_id} of {path}")
+    elif run_id and identity is not None and identity.id != run_id:
+        lost.append(f"Redis holds run {identity.id} under this run.name, not run {run_id} of {path}")
     # The groups a checkpoint covers are acknowledged (counted trained in Redis) only once it is on disk: in between
     # Redis rightly counts fewer.
     elif trained < shown - before - len(state.get("covers", [])):

@@ -101,11 +101,12 @@ def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # typ
     b = read_balance(t)
     identity = t.identity()
     print(b.equation(), b.dropped, identity)
+    assert identity is not None
     assert b.unexplained == 0, b.equation()
     assert "future" not in b.dropped, b.dropped  # actors followed the new versions: none ran ahead of the learner
     # Every trained group is counted once: in Redis since the loss, or in what the learner recorded before it.
-    assert int(identity["trained_before_reset"]) + b.trained == rows[-1]["groups_consumed"], (identity, b)
-    assert identity["resets"] == "1"  # the restart lost the flush's record too; the second learner wrote this one
+    assert identity.trained_before_reset + b.trained == rows[-1]["groups_consumed"], (identity, b)
+    assert identity.resets == 1  # the restart lost the flush's record too; the second learner wrote this one
 
     status = subprocess.run(
         [sys.executable, "-m", "common.cli", "status", *args], capture_output=True, text=True, timeout=120
@@ -113,5 +114,5 @@ def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # typ
     print(status.stdout)
     assert status.returncode == 1, status.stdout + status.stderr
     assert LOST in status.stdout and "(balanced)" not in status.stdout
-    assert f"{identity['trained_before_reset']} groups trained before are not in these counts" in status.stdout
+    assert f"{identity.trained_before_reset} groups trained before are not in these counts" in status.stdout
     t.close()

@@ -65,7 +65,7 @@ def test_actor_sends_valid_groups_waits_reloads_and_stops(
         assert max(rewards) != min(rewards) or g.zero_std  # zero-std groups are filtered out (or flagged)
     stats = t.stats()
     assert stats["groups_produced"] == len(groups)
-    assert t.live_actors()["actor-it"]["version"] == 0
+    assert t.live_actors()["actor-it"].version == 0
 
     # New weights: announce version 5 and drain the stream so the actor generates again.
     from transformers import AutoModelForCausalLM, AutoTokenizer

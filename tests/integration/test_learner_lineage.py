@@ -102,7 +102,9 @@ def test_a_learner_whose_checkpoints_are_another_runs_than_redis_holds_exits_2(
     t = Transport(RedisConfig(url=redis_url), "two")
     t.produce([group(tok, 0) for _ in range(2)])
     run_learner(processes, redis_url, tiny_model_dir, tmp_path, "two", 1)
-    mine = t.identity()["id"]
+    identity = t.identity()
+    assert identity is not None
+    mine = identity.id
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-000001" / "state.json").read_text())
     assert state["run_id"] == mine and state["epochs"] == [[0, 0, 0]]
 
@@ -118,7 +120,8 @@ def test_a_learner_whose_checkpoints_are_another_runs_than_redis_holds_exits_2(
     log = (tmp_path / "second.log").read_text()
     assert "Traceback" not in log and "Redis holds run another-run under run.name two" in log, log
     assert f"are run {mine}'s: give each run its own run.name" in log
-    assert t.identity()["id"] == "another-run" and "reset_at" not in t.identity()
+    after = t.identity()
+    assert after is not None and after.id == "another-run" and after.reset_at is None
     pending = t.client.xpending(t.keys.groups, "learners")
     assert pending["pending"] == 2 and [c["name"] for c in pending["consumers"]] == [b"other-learner"], pending
     t.close()

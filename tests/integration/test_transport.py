@@ -117,8 +117,8 @@ def test_weights_announcement_hash_and_pubsub(redis_url: str) -> None:
     ps.close()
 
 
-def a_round(session: str, seq: int) -> str:
-    return Round(session, seq, 1, "g", "127.0.0.1", 29500, 2, "gloo", {"a1": 1}).to_json()
+def a_round(session: str, seq: int) -> Round:
+    return Round(session, seq, 1, "g", "127.0.0.1", 29500, 2, "gloo", {"a1": 1})
 
 
 def test_update_group_members_age_out_and_decisions_belong_to_one_round(redis_url: str) -> None:
@@ -126,7 +126,7 @@ def test_update_group_members_age_out_and_decisions_belong_to_one_round(redis_ur
     t.nccl_register("a1", {"ranks": 2, "nonce": "n1", "group": None})
     t.nccl_register("a2", {"ranks": 1, "nonce": "n2", "group": "g"})
     t.client.hset(t.keys.nccl_members, "bad", b"not json")
-    assert {m: d["ranks"] for m, d in t.nccl_members(5.0).items()} == {"a1": 2, "a2": 1}
+    assert {m: d.ranks for m, d in t.nccl_members(5.0).items()} == {"a1": 2, "a2": 1}
     assert t.client.hexists(t.keys.nccl_members, "bad") == 0  # unreadable: removed
     time.sleep(1.2)
     t.nccl_register("a2", {"ranks": 1, "nonce": "n2", "group": "g"})
@@ -165,7 +165,7 @@ def test_two_actors_share_the_prompt_cursor(redis_url: str) -> None:
 def test_heartbeat_expires(redis_url: str) -> None:
     t = transport(redis_url)
     t.heartbeat("actor-1", 0.3, {"version": 2})
-    assert t.live_actors()["actor-1"]["version"] == 2
+    assert t.live_actors()["actor-1"].version == 2
     assert Heartbeat.decode(t.client.get(t.keys.actor("actor-1"))).version == 2  # the wire module's form
     time.sleep(0.6)
     assert t.live_actors() == {}
