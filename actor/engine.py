@@ -22,8 +22,8 @@ from actor.engine_protocol import Engine
 from common.config import Config
 from common.generation import Sample, generate, pad_token_id, stop_token_ids
 from common.models import load_pretrained
+from common.nccl_weights import Round, abort_group, close_group, open_group, unflatten, wait_for
 from common.schemas import WeightsAnnouncement
-from common.weight_sync import Round, abort_group, close_group, open_group, unflatten, wait_for
 from common.weights import WeightsError, load_into, load_state_dict
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class LocalEngine:
         self.version = ann.version
         return nbytes
 
-    # weights.transport nccl: the same group and buckets a SGLang server takes (common/weight_sync.py)
+    # weights.transport nccl: the same group and buckets a SGLang server takes (common/nccl_weights.py)
 
     def join_group(self, rnd: Round, rank_offset: int, timeout_s: float) -> None:
         try:

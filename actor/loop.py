@@ -20,7 +20,7 @@ import numpy as np
 
 from actor.engine_protocol import Engine
 from actor.filter import Decision, ZeroStdFilter, filtered_stats
-from actor.nccl import NcclEngine, Receiver, supports_nccl
+from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
 from common.advantages import overlong_penalty
 from common.config import Config
 from common.generation import Sample

@@ -1,5 +1,5 @@
 """B4 weights to many actors: the time for one version to reach K actors' models, over ``weights.transport: nccl``
-(the learner's bucketed broadcast, learner.broadcast.send_buckets, into the local engine's own receive) against the
+(the learner's bucketed broadcast, learner.nccl_weights.send_buckets, into the local engine's own receive) against the
 disk path measured in the same run (``publish`` once, then every actor's ``load_state_dict`` + ``load_into`` at
 once). Each actor is its own process, in one update group formed before the trials (a steady state).
 
@@ -27,8 +27,8 @@ sys.path.insert(0, str(REPO))
 import harness  # noqa: E402
 import torch  # noqa: E402
 
+from common.nccl_weights import Round, assign_ranks, close_group, open_group  # noqa: E402
 from common.net import free_port  # noqa: E402
-from common.weight_sync import Round, assign_ranks, close_group, open_group  # noqa: E402
 from common.weights import publish  # noqa: E402
 
 TIMEOUT_S = 300.0
@@ -106,7 +106,7 @@ class Actors:
 
 
 def case(model: torch.nn.Module, model_dir: Path, root: Path, k: int, trials: int, backend: str) -> dict[str, Any]:
-    from learner.broadcast import send_buckets, snapshot
+    from learner.nccl_weights import send_buckets, snapshot
 
     actors = Actors(k, model_dir, backend)
     pg = None

@@ -44,7 +44,7 @@ the decoder still reads it, so groups left in a stream by an older build are tra
 ``Heartbeat`` (actor → Redis string ``actors:<id>``, with a TTL → ``grpo status``, ``grpo run``'s view, the learner)
     JSON ``{"pid", "at", "version", "groups_sent", "rounds"}`` (the last three optional).
 
-Weights over NCCL (learner ⇄ actors, through Redis; the protocol is common.weight_sync's)
+Weights over NCCL (learner ⇄ actors, through Redis; the protocol is common.nccl_weights's)
     ``NcclMember`` (actor → hash ``nccl:members``): JSON ``{"ranks", "nonce", "group", "at"}``, ``at`` on Redis's
     clock. ``Round`` (learner → ``nccl:round``): compact JSON of the round and its ``Bucket``s (names, dtypes,
     shapes); its id is ``<session>:<seq>``, what members write to ``nccl:ready``. ``NcclDecision`` (learner →

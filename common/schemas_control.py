@@ -134,7 +134,7 @@ class Heartbeat:
         return cls(integer(d["pid"], "heartbeat.pid"), number(d["at"], "heartbeat.at", 0.0), **counts)
 
 
-# --- weights over NCCL (common.weight_sync has the protocol) ---------------------------------------------------
+# --- weights over NCCL (common.nccl_weights has the protocol) ---------------------------------------------------
 
 
 @dataclass(frozen=True)

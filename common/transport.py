@@ -38,7 +38,7 @@ the groups ahead of it (unread, plus rounds other actors are sampling) and the r
 pass ``max_staleness``, so that generation is not spent on groups the learner will drop as stale.
 
 The NCCL keys (``nccl:members``, ``nccl:round``, ``nccl:ready``, ``nccl:state``) carry weights over NCCL
-(common.weight_sync); their values, like every value here that one process writes for another, are forms of the
+(common.nccl_weights); their values, like every value here that one process writes for another, are forms of the
 wire module (common.schemas).
 
 :class:`Transport` is one object made of parts, each in its own file, all sharing one connection:

@@ -1,7 +1,7 @@
 """Publishing policy versions: ``gather the weights → write or broadcast → announce``, and versions that never go back.
 
 ``weights.transport`` disk: each version is written to ``weights.dir`` and announced in Redis. nccl: a CPU snapshot
-goes to the broadcast thread (learner.broadcast), which announces it once its actors have it, or writes it to disk
+goes to the broadcast thread (learner.nccl_weights), which announces it once its actors have it, or writes it to disk
 when they could not take it. Versions must never go back or name two different weights (actors and staleness rely on
 both), also across learner crashes (see :meth:`Publisher.continue_versions` and learner.lineage).
 """
@@ -22,8 +22,8 @@ from common.schemas import SchemaError, WeightsAnnouncement
 from common.storage import writing
 from common.transport import Transport
 from common.weights import newest_on_disk, publish, tensors_digest
-from learner.broadcast import Broadcaster, Snapshot, snapshot
 from learner.distributed import Ranks
+from learner.nccl_weights import Broadcaster, Snapshot, snapshot
 from learner.progress import Progress
 
 log = logging.getLogger("learner")

@@ -1,6 +1,6 @@
-"""``weights.transport: nccl`` with real parts: the learner's broadcast thread (learner/broadcast.py) in this process,
-real `grpo actor` processes driving SGLang stand-ins (tests/sglang_standin.py, each its own process, joining the
-update group over gloo as SGLang's workers join it), a real Redis in between. Versions reach every member bit for
+"""``weights.transport: nccl`` with real parts: the learner's broadcast thread (learner/nccl_weights.py) in this
+process, real `grpo actor` processes driving SGLang stand-ins (tests/sglang_standin.py, each its own process, joining
+the update group over gloo as SGLang's workers join it), a real Redis in between. Versions reach every member bit for
 bit; the group follows the members as they come and go; a member that is not ready in time sends the version to
 disk instead, and nobody hangs."""
 
@@ -24,7 +24,7 @@ from common.models import load_pretrained
 from common.net import free_port
 from common.procs import wait_until
 from common.transport import Transport
-from learner.broadcast import Broadcaster, Snapshot, snapshot
+from learner.nccl_weights import Broadcaster, Snapshot, snapshot
 from tests.integration.test_actor_process import actor_args
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
