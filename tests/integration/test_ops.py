@@ -121,3 +121,19 @@ def test_a_run_name_redis_never_saw_is_a_users_mistake(redis_url: str) -> None:
     for run in ("alpha", "beta"):  # the runs it has seen answer as before
         done = grpo(redis_url, "status", run=run)
         assert done.returncode == 0 and f"run {run} " in done.stdout, done.stdout + done.stderr
+
+
+def test_a_malformed_value_of_the_run_is_one_line(redis_url: str) -> None:
+    """A value no build of this project wrote (someone with write access to Redis) is said in one line, exit 2, naming
+    the value and what is wrong with it: never a traceback."""
+    t = Transport(RedisConfig(url=redis_url), "ops")
+    t.client.hset(t.keys.stats, "groups_trained", "many")
+    t.client.xadd(t.keys.dead, {"reason": "not msgpack", "payload": b"\x00"})  # not what a script writes: no at, size
+    t.close()
+    for command, what in ((["status"], "stats.groups_trained: 'many' is not a count"),
+                          (["dead"], "missing ['at', 'size', 'source_id']")):  # fmt: skip
+        done = grpo(redis_url, *command)
+        assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+        line = _one_line(done)
+        assert line.startswith(f"grpo {command[0]}: redis at ") and "holds a malformed value of run" in line, line
+        assert what in line, line
