@@ -42,6 +42,7 @@ from grader.pool import GraderPool
 
 log = logging.getLogger("actor")
 _FILTERED_ZERO_STD = counter("filtered", "zero_std")  # the stats field of the groups the zero-std filter keeps back
+_DISCARDED_OVERSIZED = counter("discarded", "oversized")  # groups over redis.max_message_bytes, never sent
 
 
 @dataclass
@@ -351,7 +352,7 @@ class Actor:
                 self._warn_forward_once()
             payload = encode_group(self._message(problem, samples, r, decision is Decision.FORWARD))
             if len(payload) > self.max_message_bytes:  # the write script would refuse the round: not this group
-                counters[counter("discarded", "oversized")] += 1
+                counters[_DISCARDED_OVERSIZED] += 1
                 log.warning("discarding a group of %d bytes, over redis.max_message_bytes (%d)", len(payload),
                             self.max_message_bytes)  # fmt: skip
                 continue

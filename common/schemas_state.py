@@ -62,16 +62,20 @@ class RunCounters:
         plain = {name: 0 for name in _PLAIN}
         by_kind: dict[str, dict[str, int]] = {k: {} for k in (*COUNTER_KINDS, "other")}
         for k, v in h.items():
-            name, n = _text(k, "stats"), _count(v, f"stats.{_text(k, 'stats')[:80]}")
+            name = _text(k, "stats")
+            n = _count(v, f"stats.{name[:80]}")
             if name in plain:
                 plain[name] = n
-            elif (m := re.fullmatch(r"groups_(dropped|filtered|discarded):([a-z0-9_]{1,64})", name)) is not None:
+            # Any reason is read (counter() is strict only about what this build writes): a count by reason that
+            # fell outside the equation would make the accounting look unbalanced.
+            elif (m := re.fullmatch(r"groups_(dropped|filtered|discarded):(.+)", name, re.S)) is not None:
                 by_kind[m.group(1)][m.group(2)] = n
             else:
                 by_kind["other"][name] = n
         return cls(
-            plain[PRODUCED], plain[TRAINED], plain[DEAD], plain[REPLAYED], plain[FORWARDED], by_kind["dropped"],
-            by_kind["filtered"], by_kind["discarded"], by_kind["other"],
+            produced=plain[PRODUCED], trained=plain[TRAINED], dead=plain[DEAD], replayed=plain[REPLAYED],
+            forwarded=plain[FORWARDED], dropped=by_kind["dropped"], filtered=by_kind["filtered"],
+            discarded=by_kind["discarded"], other=by_kind["other"],
         )  # fmt: skip
 
 
@@ -83,23 +87,21 @@ def _text(v: bytes | str, where: str) -> str:
 
 
 def _count(v: Any, where: str) -> int:
+    """A count as Redis replies with it (decimal digits) or as a default (an int): an integer ≥ 0."""
     s = _text(v, where) if isinstance(v, (bytes, str)) else v
-    if isinstance(s, int) and not isinstance(s, bool):
-        n = s
-    elif isinstance(s, str) and re.fullmatch(r"\d{1,19}", s):
-        n = int(s)
-    else:
-        raise SchemaError(f"{where}: {str(s)[:40]!r} is not a count")
-    if n < 0:
-        raise SchemaError(f"{where}: {n} is negative")
-    return n
+    if isinstance(s, int) and not isinstance(s, bool) and s >= 0:
+        return s
+    if isinstance(s, str) and re.fullmatch(r"[0-9]{1,19}", s):
+        return int(s)
+    raise SchemaError(f"{where}: {str(s)[:40]!r} is not a count")
 
 
 def _seconds(v: bytes | str, where: str) -> float:
+    s = _text(v, where)
     try:
-        t = float(_text(v, where))
+        t = float(s)
     except ValueError:
-        raise SchemaError(f"{where}: {as_text(v)[:40]!r} is not a time") from None
+        raise SchemaError(f"{where}: {s[:40]!r} is not a time") from None
     if not 0 <= t < 1e11:
         raise SchemaError(f"{where}: {t} is not a time in seconds since the epoch")
     return t
@@ -140,10 +142,8 @@ class RunIdentity:
 
     @classmethod
     def from_hash(cls, h: Mapping[Any, Any]) -> RunIdentity:
+        # A field this build does not know (a newer build's) is left unread: the hash outlives every process.
         d = {_text(k, "identity"): v for k, v in h.items()}
-        known = {"id", "created_at", "reset_at", "reset_step", "trained_before_reset", "resets"}
-        if extra := sorted(d.keys() - known):
-            raise SchemaError(f"identity: unknown fields {[e[:40] for e in extra]}")
         if missing := sorted({"id", "created_at"} - d.keys()):
             raise SchemaError(f"identity: missing {missing}")
         run_id = _text(d["id"], "identity.id")
@@ -210,17 +210,18 @@ class DeadLetter:
 
     @classmethod
     def from_fields(cls, entry_id: str, fields: Mapping[Any, Any]) -> DeadLetter:
-        d = {_text(k, "dead letter"): v for k, v in fields.items()}
-        if extra := sorted(d.keys() - set(DEAD_LETTER_FIELDS)):
-            raise SchemaError(f"dead letter {entry_id}: unknown fields {[e[:40] for e in extra]}")
-        if missing := sorted(set(DEAD_LETTER_FIELDS[:5]) - d.keys()):
-            raise SchemaError(f"dead letter {entry_id}: missing {missing}")
-        if d.get("truncated", b"1") not in (b"1", "1"):
-            raise SchemaError(f"dead letter {entry_id}: truncated is {as_text(d['truncated'])[:20]!r}, not 1")
+        # Fields a newer build adds are left unread (the stream outlives every process); builds before the size
+        # field wrote only the first four, and their letters hold the whole message (size = the payload's).
+        where = f"dead letter {entry_id}"
+        d = {_text(k, where): v for k, v in fields.items()}
+        if missing := sorted(set(DEAD_LETTER_FIELDS[:4]) - d.keys()):
+            raise SchemaError(f"{where}: missing {missing}")
+        if "truncated" in d and (flag := _text(d["truncated"], f"{where}.truncated")) != "1":
+            raise SchemaError(f"{where}: truncated is {flag[:20]!r}, not 1")
         payload = d["payload"] if isinstance(d["payload"], bytes) else d["payload"].encode()
-        letter = cls(entry_id, _text(d["reason"], f"dead letter {entry_id}.reason"), payload,
-                     _text(d["source_id"], f"dead letter {entry_id}.source_id"),
-                     _seconds(d["at"], f"dead letter {entry_id}.at"), _count(d["size"], f"dead letter {entry_id}.size"),
+        size = _count(d.get("size", len(payload)), f"{where}.size")
+        letter = cls(entry_id, _text(d["reason"], f"{where}.reason"), payload,
+                     _text(d["source_id"], f"{where}.source_id"), _seconds(d["at"], f"{where}.at"), size,
                      "truncated" in d)  # fmt: skip
         if letter.size < len(payload) or (not letter.truncated and letter.size != len(payload)):
             raise SchemaError(f"dead letter {entry_id}: size {letter.size} for a payload of {len(payload)} bytes")
@@ -235,7 +236,8 @@ class Reservation:
     """Room an actor holds for the round it samples (actor → hash ``inflight``, field: the actor's id → every
     actor's admission script): ``<groups> <lease end>``, the round's groups and the end of the lease in
     milliseconds of Redis's clock. Written and read inside the admission scripts (common.transport_admission), whose
-    pattern ``^(%d+) (%d+)$`` is this form's; a value that does not match is removed there, as an expired one is."""
+    pattern ``^(%d+) (%d+)$`` is this form's: reserving removes a value that does not match, as it removes an expired
+    one (renewing one that does not match counts it as 0 groups until then)."""
 
     groups: int
     lease_end_ms: int

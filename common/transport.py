@@ -18,9 +18,9 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 ``filtered``           hash        running sums over the groups actors filtered out (``groups``, ``zero_std_groups``,
                                    ``completions``, ``reward_sum``, ``reward_std_sum``): the learner's reward figures
 ``identity``           hash        the run's identity (common.schemas.RunIdentity: ``id``, ``created_at``), also in
-                                   every checkpoint; and what a
-                                   Redis that lost its data lost (``resets``, ``reset_at``, ``reset_step``,
-                                   ``trained_before_reset``: groups trained before the loss, not in ``stats``)
+                                   every checkpoint; and what a Redis that lost its data lost (``resets``,
+                                   ``reset_at``, ``reset_step``, ``trained_before_reset``: groups trained before the
+                                   loss, not in ``stats``)
 =====================  ==========  ======================================================================
 
 Accounting. Every counter in ``stats`` is bumped in the same MULTI/EXEC transaction as the stream operation it

@@ -68,6 +68,12 @@ class DeadLetters(Connection):
         reply: Any = self._do(lambda: self.client.xrange(self.keys.dead, min=start, count=count))
         return [DeadLetter.from_fields(as_text(i), f) for i, f in reply]
 
+    def dead_letter_ids(self, count: int, start: str = "-") -> list[str]:
+        """The ids of the oldest ``count`` dead letters from ``start``, whatever their fields (a replay needs only
+        the payload, so a letter this build cannot read whole can still go back)."""
+        reply: Any = self._do(lambda: self.client.xrange(self.keys.dead, min=start, count=count))
+        return [as_text(i) for i, _ in reply]
+
     def dead_letter_count(self) -> int:
         return int(self._do(lambda: self.client.xlen(self.keys.dead)))
 

@@ -103,7 +103,8 @@ class RunState(Connection):
         now = self.server_time()
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(self.keys.identity, mapping=cast(Any, RunIdentity.reset_fields(run_id, now, step, trained_before)))
-        pipe.hsetnx(self.keys.identity, "created_at", RunIdentity.first_fields(run_id, now)["created_at"])
+        for name, value in RunIdentity.first_fields(run_id, now).items():  # id is set above: created_at, if absent
+            pipe.hsetnx(self.keys.identity, name, value)
         pipe.hincrby(self.keys.identity, "resets", 1)
         self._do(pipe.execute)
 
@@ -112,7 +113,7 @@ class RunState(Connection):
         return RunCounters.from_hash(self._do(lambda: self.client.hgetall(self.keys.stats)))
 
     def stats(self) -> dict[str, int]:
-        """The counters as the hash holds them, by field name (read through :class:`RunCounters`)."""
+        """The non-zero counters by field name, as integers (read through :class:`RunCounters`)."""
         return self.counters().to_hash()
 
     def started_signs(self) -> tuple[bool, int]:

@@ -22,7 +22,9 @@ from learner.publishing import Publisher
 log = logging.getLogger("learner")
 
 
-class RunIdentity:
+class RunClaim:
+    """The learner's claim on its run in Redis (the run's identity there: common.schemas.RunIdentity)."""
+
     def __init__(self, cfg: Config, transport: Transport, progress: Progress, publisher: Publisher):
         self.cfg = cfg
         self.transport = transport

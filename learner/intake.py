@@ -23,7 +23,7 @@ from common.metrics import DropReason, LearnerMetrics
 from common.schemas import FilteredStats, GroupMessage, SchemaError, decode_group, encode_group
 from common.transport import Delivery, ReadLimits, StreamEntry, Transport, message_byte_limit
 from learner.distributed import Ranks
-from learner.identity import RunIdentity
+from learner.identity import RunClaim
 from learner.progress import Progress
 
 log = logging.getLogger("learner")
@@ -44,7 +44,7 @@ class Intake:
         model: Any,
         metrics: LearnerMetrics,
         progress: Progress,
-        identity: RunIdentity,
+        identity: RunClaim,
         ranks: Ranks | None,
         stop: threading.Event,
     ):

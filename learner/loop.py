@@ -32,7 +32,7 @@ from grader.pool import GraderPool, open_grader
 from learner import checkpoint
 from learner.distributed import Ranks
 from learner.evaluation import Evaluator
-from learner.identity import RunIdentity
+from learner.identity import RunClaim
 from learner.intake import Collected, Intake
 from learner.progress import Progress
 from learner.publishing import Publisher
@@ -70,7 +70,7 @@ class Learner:
         self.trainer = Trainer(cfg, model, pad_id, reference, ranks)
         self.evaluator = Evaluator(cfg, model, tokenizer, grader, metrics, stop_ids, pad_id, self.trainer.autocast)
         self.publisher = Publisher(cfg, self.transport, model, tokenizer, metrics, self.progress, ranks)
-        self.identity = RunIdentity(cfg, self.transport, self.progress, self.publisher)
+        self.identity = RunClaim(cfg, self.transport, self.progress, self.publisher)
         self.intake = Intake(cfg, self.transport, model, metrics, self.progress, self.identity, ranks, self.stop)
         self.record = Record(cfg, self.transport, metrics, self.progress, self.is_rank0)
 

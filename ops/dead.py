@@ -78,9 +78,9 @@ def _replay(t: Transport, ids: list[str]) -> int:
     if ids == ["all"]:
         ids = []
         start = "-"
-        while batch := t.dead_letters(1000, start):
-            ids += [e.id for e in batch]
-            start = "(" + batch[-1].id
+        while batch := t.dead_letter_ids(1000, start):
+            ids += batch
+            start = "(" + batch[-1]
     missing = 0
     for entry_id in ids:
         try:

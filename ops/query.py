@@ -2,7 +2,8 @@
 
 Both take the same ``--config FILE`` and ``-o key=value`` as the roles, so ``redis.*`` and ``run.name`` (or
 ``GRPO_REDIS_URL`` / ``GRPO_RUN_NAME``) pick the run. Unlike the roles they fail fast: a query connects once, with a
-short timeout, and an unreachable Redis or a run name Redis has never seen is one line on stderr and exit code 2.
+short timeout, and an unreachable Redis, a run name Redis has never seen, or a value of the run this build cannot read
+(a counter that is not a count, a dead letter without its fields) is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def asking(t: Transport, fn: Callable[[], T]) -> T:
         return fn()
     except (redis.ConnectionError, redis.TimeoutError) as e:
         raise TransportError(f"redis at {t.safe_url} is unreachable: {e}") from None
-    except SchemaError as e:  # a value of the run that no build of this project wrote: said, not a traceback
+    except SchemaError as e:  # a value of the run this build cannot read: said in one line, not a traceback
         raise TransportError(f"redis at {t.safe_url} holds a malformed value of run {t.keys.prefix}*: {e}") from None
 
 

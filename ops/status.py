@@ -2,7 +2,7 @@
 
 Read from Redis as every operator query is (:mod:`ops.query`: whatever is running, failing fast). Exit codes: 0 when
 the counts balance and are the whole run, 1 when something is unexplained or Redis lost part of the run, 2 when Redis
-is unreachable, refuses the password, or knows no run of that name.
+is unreachable, refuses the password, knows no run of that name, or holds a value of the run this build cannot read.
 """
 
 from __future__ import annotations

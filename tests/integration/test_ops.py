@@ -124,14 +124,14 @@ def test_a_run_name_redis_never_saw_is_a_users_mistake(redis_url: str) -> None:
 
 
 def test_a_malformed_value_of_the_run_is_one_line(redis_url: str) -> None:
-    """A value no build of this project wrote (someone with write access to Redis) is said in one line, exit 2, naming
-    the value and what is wrong with it: never a traceback."""
+    """A value of the run this build cannot read (written by someone with write access to Redis) is said in one line,
+    exit 2, naming the value and what is wrong with it: never a traceback."""
     t = Transport(RedisConfig(url=redis_url), "ops")
     t.client.hset(t.keys.stats, "groups_trained", "many")
-    t.client.xadd(t.keys.dead, {"reason": "not msgpack", "payload": b"\x00"})  # not what a script writes: no at, size
+    t.client.xadd(t.keys.dead, {"reason": "not msgpack", "payload": b"\x00", "at": "1.5"})  # no script wrote it
     t.close()
     for command, what in ((["status"], "stats.groups_trained: 'many' is not a count"),
-                          (["dead"], "missing ['at', 'size', 'source_id']")):  # fmt: skip
+                          (["dead"], "missing ['source_id']")):  # fmt: skip
         done = grpo(redis_url, *command)
         assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
         line = _one_line(done)

@@ -3,6 +3,8 @@ the transport and its Lua scripts write is exactly what the forms read, field by
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from common.config import RedisConfig
@@ -38,10 +40,11 @@ def test_every_counter_a_script_bumps_is_one_the_form_reads(redis_url: str) -> N
     assert t.replay_dead(letter.id) is not None
     assert t.counters() == RunCounters(produced=6, trained=1, dead=2, replayed=1, forwarded=1, dropped={"stale": 1},
                                        filtered={"zero_std": 3}, discarded={"stopped": 2})  # fmt: skip
-    assert t.stats() == t.counters().to_hash()
+    assert t.stats() == {k.decode(): int(v) for k, v in t.client.hgetall(t.keys.stats).items()}
     b_ = t.balance()
     assert (b_.produced, b_.trained, b_.dead, b_.in_stream, b_.unexplained) == (6, 1, 2, 2, 0), b_.equation()
     assert letter == DeadLetter(letter.id, "not a group", b"c", c.id, letter.at, 1)
+    assert abs(letter.at - time.time()) < 60 and abs(oversized.at - t.server_time()) < 60
     assert oversized.truncated and oversized.size == 100 and oversized.payload == b"x" * 100
     assert oversized.reason == "oversized: 100 bytes, over the limit of 10 (redis.max_message_bytes)"
     t.close()
@@ -56,7 +59,10 @@ def test_identity_done_mark_reservation_and_wakeup_as_written(redis_url: str) ->
     assert first is not None and first.id == "r1" and abs(first.created_at - t.server_time()) < 5
     t.record_reset("r1", 7, 56)
     t.record_reset("r1", 9, 72)
-    assert t.identity() == RunIdentity("r1", first.created_at, t.identity().reset_at, 9, 72, 2)  # type: ignore[union-attr]
+    after = t.identity()
+    assert after is not None and after.reset_at is not None
+    assert after == RunIdentity("r1", first.created_at, after.reset_at, 9, 72, 2)
+    assert first.created_at <= after.reset_at and abs(after.reset_at - t.server_time()) < 5
 
     t.mark_done()
     done = DoneMark.decode(t.client.get(t.keys.done))

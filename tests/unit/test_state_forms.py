@@ -6,6 +6,7 @@ wrong, and the Lua scripts that write some of them name only fields the forms re
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,8 @@ def test_counters_read_every_kind_and_keep_a_newer_builds_apart() -> None:
     assert (c.produced, c.trained, c.dead, c.replayed, c.forwarded) == (12, 7, 1, 1, 2)
     assert (c.dropped, c.filtered, c.discarded) == ({"stale": 3}, {"zero_std": 40}, {"stopped": 4})
     assert c.other == {"groups_requeued": 5}  # kept, outside the equation
+    odd = RunCounters.from_hash({b"groups_dropped:Too-Stale": b"2"})  # any reason is read: none falls out of it
+    assert odd.dropped == {"Too-Stale": 2} and odd.other == {}
     assert c.to_hash() == {k.decode(): int(v) for k, v in raw.items()}  # the hash as Redis holds it
     assert RunCounters.from_hash({}) == RunCounters() and RunCounters().to_hash() == {}
     assert counter("dropped", "stale") == "groups_dropped:stale"
@@ -48,6 +51,7 @@ def test_counters_read_every_kind_and_keep_a_newer_builds_apart() -> None:
         ({b"groups_trained": b"-1"}, "stats.groups_trained: '-1' is not a count"),
         ({b"groups_dead": b"1.5"}, "is not a count"),
         ({b"\xff": b"1"}, "not UTF-8"),
+        ({b"groups_dead": b"\xd9\xa3"}, "is not a count"),  # an Arabic-Indic digit is no count of Redis's
     ],
 )
 def test_a_malformed_counter_is_one_schema_error(raw: dict[bytes, bytes], reason: str) -> None:
@@ -64,6 +68,8 @@ def test_identity_fields_are_those_the_learner_wrote_and_read_back() -> None:
     assert (fresh.reset_at, fresh.reset_step, fresh.trained_before_reset, fresh.resets) == (None, None, 0, 0)
     after = RunIdentity.from_hash({**RunIdentity.first_fields("r1", 1700000000.25), **reset, "resets": b"2"})
     assert after == RunIdentity("r1", 1700000000.25, 1700000100.5, 42, 336, 2)
+    newer = RunIdentity.from_hash({b"id": b"r1", b"created_at": b"1.5", b"region": b"eu"})  # a newer build's field
+    assert newer == RunIdentity("r1", 1.5)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +77,7 @@ def test_identity_fields_are_those_the_learner_wrote_and_read_back() -> None:
     [
         ({"created_at": "1"}, "identity: missing ['id']"),
         ({"id": "r", "created_at": "soon"}, "identity.created_at: 'soon' is not a time"),
-        ({"id": "r", "created_at": "1", "owner": "x"}, "identity: unknown fields ['owner']"),
+        ({"id": "r", "created_at": b"\xff"}, "identity.created_at: a value that is not UTF-8 text"),
         ({"id": "", "created_at": "1"}, "identity.id: length 0"),
         ({"id": "r", "created_at": "1", "reset_at": "2"}, "reset_at and reset_step go together"),
         ({"id": "r", "created_at": "1", "resets": "-1"}, "identity.resets: '-1' is not a count"),
@@ -92,7 +98,7 @@ def test_done_mark_reservation_and_wakeup_are_the_bytes_written_before() -> None
     for raw in (b"", b"8", b"8 x", b"-1 5", b"8  5", b"8 5 1", "8 1.5"):
         with pytest.raises(SchemaError, match=r"reservation: .* is not '<groups> <lease end ms>'"):
             Reservation.decode(raw)
-    for raw in (b"nan", b"yesterday", b"-1"):
+    for raw in (b"nan", b"yesterday", b"-1", b"\xff"):
         with pytest.raises(SchemaError, match="done: "):
             DoneMark.decode(raw)
 
@@ -111,13 +117,18 @@ def test_a_dead_letter_reads_both_writers_entries() -> None:
     prefix = DeadLetter.from_fields("6-0", _letter({b"size": b"9000", b"truncated": b"1"}))
     assert prefix.truncated and prefix.size == 9000 and prefix.to_fields()["truncated"] == "1"
     assert tuple(prefix.to_fields()) == DEAD_LETTER_FIELDS
+    # Builds before the size field wrote four fields, the whole message kept; a newer build's field is left unread.
+    older = DeadLetter.from_fields("7-0", _letter({b"size": None}))
+    assert older == DeadLetter("7-0", "not msgpack", b"\x00\x01", "1-0", 1700000000.5, 2)
+    assert DeadLetter.from_fields("8-0", _letter({b"learner": b"l-1"})) == replace(older, id="8-0")
 
 
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
         ({b"reason": None}, "dead letter 1-0: missing ['reason']"),
-        ({b"extra": b"1"}, "dead letter 1-0: unknown fields ['extra']"),
+        ({b"source_id": None}, "dead letter 1-0: missing ['source_id']"),
+        ({b"truncated": b"\xff"}, "dead letter 1-0.truncated: a value that is not UTF-8 text"),
         ({b"size": b"3"}, "dead letter 1-0: size 3 for a payload of 2 bytes"),
         ({b"size": b"1", b"truncated": b"1"}, "size 1 for a payload of 2 bytes"),
         ({b"truncated": b"yes"}, "truncated is 'yes', not 1"),
