@@ -88,3 +88,15 @@ def test_token_logprobs_use_the_temperature_scaled_distribution() -> None:
         assert got.item() == pytest.approx(want.item())
     # Lower temperature sharpens: the top token's log-prob rises towards 0.
     assert token_logprobs(logits, torch.tensor([0]), 0.5) > token_logprobs(logits, torch.tensor([0]), 2.0)
+
+
+def test_the_design_documents_import_path_is_the_same_function() -> None:
+    """DESIGN names ``common.grpo.group_advantages`` as the public import: it is the very function, not a copy."""
+    import common.advantages as advantages
+    import common.grpo as grpo
+    import common.logprobs as logprobs
+
+    assert grpo.group_advantages is advantages.group_advantages
+    assert grpo.token_logprobs is logprobs.token_logprobs
+    # population std 0.5 and eps 1e-6 in the denominator: ±0.5 / (0.5 + 1e-6)
+    assert grpo.group_advantages([1.0, 0.0, 1.0, 0.0], 4).tolist() == pytest.approx([1, -1, 1, -1], abs=1e-5)
