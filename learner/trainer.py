@@ -129,7 +129,7 @@ class Trainer:
         lc = self.cfg.learner
         if lc.old_logprobs == "behavior":
             return batch.behavior_logprobs, None, {}
-        prox, shown = self._scored(self.model, batch, mask, self._policy_stats())
+        prox, shown = self._scored(self.model, batch, mask, PolicyStats())
         weights, w_stats = importance_weights(prox, batch.behavior_logprobs, mask, cap=lc.tis_cap, mode=lc.is_mode)
         return prox, weights, shown | w_stats
 
@@ -141,8 +141,8 @@ class Trainer:
         (:class:`FusedProximal`)."""
         lc = self.cfg.learner
         tally = UpdateTally(lr=self.lr)
-        fused = FusedProximal(inputs.mask, self._policy_stats(), lc) if inputs.old is None else None
-        first = self._policy_stats() if lc.old_logprobs == "behavior" else None
+        fused = FusedProximal(inputs.mask, PolicyStats(), lc) if inputs.old is None else None
+        first = PolicyStats() if lc.old_logprobs == "behavior" else None
         order = torch.randperm(len(inputs.batch.rewards), generator=self.generator).to(self.device)
         self.model.train()
         for rows in order.tensor_split(lc.updates_per_batch):
@@ -198,12 +198,7 @@ class Trainer:
         shows on it. Returns the slice's (weighted) loss."""
         lc, batch, mask = self.cfg.learner, inputs.batch, inputs.mask
         mine = self._mine(micro)
-        with self.autocast():
-            logits = self.model(input_ids=batch.input_ids[mine], attention_mask=batch.attention_mask[mine]).logits
-        logits = logits[:, :-1]
-        # One log-softmax serves the loss (the sampled tokens') and the entropy (every token's).
-        logp_all = scaled_log_softmax(logits, self.cfg.sampling.temperature)
-        logprobs = gather_tokens(logp_all, batch.input_ids[mine, 1:])
+        logp_all, logprobs = self._forward(self.model, batch, mine)
         if watch is not None:
             watch.add(logp_all.detach(), logprobs.detach(), batch, mask, mine)
         old_mine, w_mine = self._old_of(inputs, fused, logp_all, logprobs, mine)
@@ -256,12 +251,7 @@ class Trainer:
             lc.updates_per_batch * lc.grad_accum
         ):
             rows = self._mine(chunk)
-            with self.autocast():
-                logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits[
-                    :, :-1
-                ]
-            logp_all = scaled_log_softmax(logits, self.cfg.sampling.temperature)
-            logprobs = gather_tokens(logp_all, batch.input_ids[rows, 1:])
+            logp_all, logprobs = self._forward(model, batch, rows)
             out[rows] = logprobs * mask[rows]
             if watch is not None:
                 watch.add(logp_all, logprobs, batch, mask, rows)
@@ -271,8 +261,13 @@ class Trainer:
                 watch.reduce(self.ranks)
         return out, watch.stats() if watch is not None else {}
 
-    def _policy_stats(self) -> PolicyStats:
-        return PolicyStats()
+    def _forward(self, model: Any, batch: Batch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``model``'s log-probs of every token at the sampling temperature, and of the batch's own tokens, for
+        ``rows``: one forward and one log-softmax, shared by the loss (or the scoring) and the entropy."""
+        with self.autocast():
+            logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits
+        logp_all = scaled_log_softmax(logits[:, :-1], self.cfg.sampling.temperature)
+        return logp_all, gather_tokens(logp_all, batch.input_ids[rows, 1:])
 
     def _mine(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a micro-batch's rows (all of them in one process)."""
