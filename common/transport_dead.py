@@ -65,14 +65,16 @@ class DeadLetters(Connection):
         """The oldest ``count`` dead letters from ``start`` (:class:`~common.schemas.DeadLetter`: ``truncated`` when
         the payload is only the first ``DEAD_PREFIX_BYTES`` of an oversized message); SchemaError (one line) for an
         entry that is not a dead letter."""
-        reply: Any = self._do(lambda: self.client.xrange(self.keys.dead, min=start, count=count))
-        return [DeadLetter.from_fields(as_text(i), f) for i, f in reply]
+        return [DeadLetter.from_fields(as_text(i), f) for i, f in self._dead_range(count, start)]
 
     def dead_letter_ids(self, count: int, start: str = "-") -> list[str]:
         """The ids of the oldest ``count`` dead letters from ``start``, whatever their fields (a replay needs only
         the payload, so a letter this build cannot read whole can still go back)."""
+        return [as_text(i) for i, _ in self._dead_range(count, start)]
+
+    def _dead_range(self, count: int, start: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
         reply: Any = self._do(lambda: self.client.xrange(self.keys.dead, min=start, count=count))
-        return [as_text(i) for i, _ in reply]
+        return reply
 
     def dead_letter_count(self) -> int:
         return int(self._do(lambda: self.client.xlen(self.keys.dead)))
