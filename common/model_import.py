@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import Config, ConfigError, check_model_path
+from common.storage import open_to_umask
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ def import_model(source: str, out: str | Path, *, replace: bool = True) -> dict[
         staged = Path(tmp) / "model"
         plain.save_pretrained(staged, safe_serialization=True)
         tokenizer.save_pretrained(staged)
+        open_to_umask(staged)  # a folder other users read (a models directory mounted into containers)
         report = {
             "source": source,
             "parameters": sum(p.numel() for p in plain.parameters()),

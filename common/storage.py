@@ -3,6 +3,9 @@
 - :func:`fsync_tree` and :func:`fsync_dir`: a file renamed into place survives a power loss only when its contents
   were on disk before the rename and the directory entry after it; the learner acknowledges groups in Redis (and
   deletes them from the stream) right after its checkpoint is renamed, so both are synced before it does.
+- :func:`open_to_umask`: safetensors writes its files readable by their owner alone (mode 0600, whatever the umask);
+  a model or a published version that another user reads (an image's user reading a mounted model, an SGLang server
+  of its own user reading the weights) needs the mode any other file would get.
 - :class:`StorageError`: a directory the run writes to that cannot take a write (read-only, full, over a file-size
   limit, not a directory). That is the machine's or the user's to fix, not a bug: ``grpo`` prints one line naming
   the path and the error and exits 2 (common/cli.py).
@@ -84,3 +87,26 @@ def fsync_tree(root: str | os.PathLike[str]) -> None:
     for d in reversed(dirs):
         fsync_dir(d)
     fsync_dir(root)
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux's /proc; elsewhere the usual 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def open_to_umask(root: str | os.PathLike[str]) -> None:
+    """Give every file under ``root`` the mode a plain ``open()`` would have given it (0666 less the umask), and every
+    directory 0777 less the umask: what safetensors made owner-only becomes as readable as the rest of the folder."""
+    mask = current_umask()
+    for here, subdirs, files in os.walk(root):
+        for name in files:
+            os.chmod(os.path.join(here, name), 0o666 & ~mask)
+        for name in subdirs:
+            os.chmod(os.path.join(here, name), 0o777 & ~mask)
+    os.chmod(root, 0o777 & ~mask)

@@ -38,7 +38,7 @@ import torch
 import xxhash
 
 from common.schemas import DIGEST_HEX_LENGTHS, WeightsAnnouncement
-from common.storage import fsync_dir, fsync_tree
+from common.storage import fsync_dir, fsync_tree, open_to_umask
 
 # What a reader may open (common.weights_files) and the safetensors format (common.weights_format) are theirs;
 # their names are imported from here as well.
@@ -259,6 +259,7 @@ def _write_version(
             tokenizer.save_pretrained(tmp)
         checked, nbytes = digest(tmp, digest_algorithm)
         (tmp / "digest").write_text(checked + "\n")
+        open_to_umask(tmp)  # an SGLang server of another user reads the version too
         fsync_tree(tmp)
         final = version_dir(root, version)
         if final.exists():  # a version re-published after a resume replaces the old copy

@@ -93,6 +93,25 @@ def test_make_tiny_model_cli(tmp_path: Path) -> None:
     }
 
 
+def test_the_tiny_model_is_readable_by_other_users_and_kept_when_asked(tmp_path: Path) -> None:
+    """Mounted into containers it is read by the images' user: safetensors' owner-only files get the umask's mode
+    (022 here: 0644). With --if-missing a model of the same recipe, seed and warm start is kept, not rebuilt."""
+    cmd = [sys.executable, "-m", "common.cli", "make-tiny-model", str(tmp_path / "m"), "--no-warm-start"]
+    run = lambda *extra: subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=300,  # noqa: E731
+                                        preexec_fn=lambda: os.umask(0o022))  # fmt: skip
+    assert run().returncode == 0
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()}
+    assert set(modes.values()) == {0o644}, modes
+    assert (tmp_path / "m").stat().st_mode & 0o777 == 0o755
+    made = (tmp_path / "m" / "model.safetensors").stat().st_mtime_ns
+    kept = run("--if-missing")
+    assert kept.returncode == 0 and "holds the demo model already" in kept.stderr, kept.stderr
+    assert (tmp_path / "m" / "model.safetensors").stat().st_mtime_ns == made
+    other_seed = run("--if-missing", "--seed", "1")  # another model: built, replacing the folder
+    assert other_seed.returncode == 0 and "wrote" in other_seed.stderr
+    assert json.loads((tmp_path / "m" / "warm_start.json").read_text())["seed"] == 1
+
+
 @pytest.mark.slow
 def test_warm_start_leaves_the_demo_model_at_its_documented_starting_point(demo_model_dir: Path) -> None:
     import json
