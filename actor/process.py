@@ -63,12 +63,12 @@ def run_actor(cfg: Config) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         log.info(
-            "actor %s: engine %s, group size %d, %d prompts per round, metrics %s",
+            "actor %s: engine %s, group size %d, %d prompts per round, metrics on %s",
             actor_id,
             cfg.actor.engine,
             cfg.sampling.group_size,
             cfg.actor.prompts_per_round,
-            server.url,
+            server.listening,
         )
         reason = actor.run()
         log.info(

@@ -33,6 +33,8 @@ ENV_KEYS: dict[str, str] = {
     "GRPO_RUN_NAME": "run.name",
     "GRPO_RUN_DIR": "run.dir",
     "GRPO_MODEL_PATH": "model.path",
+    # Compose gives every run a weights directory of its own on the shared volume (/weights/<run.name>).
+    "GRPO_WEIGHTS_DIR": "weights.dir",
     "GRPO_TASK_PATH": "task.path",
     "GRPO_SGLANG_URL": "sglang.url",
     "GRPO_SGLANG_PYTHON": "sglang.python",

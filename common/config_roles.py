@@ -152,6 +152,12 @@ class LearnerConfig(Section):
     eval_every: int = Field(
         20, ge=1, description="greedy held-out evaluation every this many steps (and at 0 and the last)"
     )
+    log_every: int = Field(
+        1,
+        ge=0,
+        description="a progress line in the learner's log (step, reward, accuracy, zero-std, staleness, groups/s, "
+        "elapsed, ETA) every this many steps and at the last; what `docker compose logs learner` shows; 0 = none",
+    )
     read_block_ms: int = Field(1000, ge=1, description="longest single wait for new groups (XREADGROUP BLOCK)")
     dead_letter_keep: int = Field(
         100_000,

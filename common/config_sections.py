@@ -278,7 +278,11 @@ class ShapingConfig(Section):
 
 
 class WeightsConfig(Section):
-    dir: str = Field("", description="shared weights directory; empty = <run.dir>/weights")
+    dir: str = Field(
+        "",
+        description="shared weights directory; empty = <run.dir>/weights; env GRPO_WEIGHTS_DIR (docker compose: "
+        "/weights/<run.name>, a directory of each run's own on the shared volume)",
+    )
     keep: int = Field(3, ge=2, description="published versions kept on disk (older ones are deleted)")
     dtype: Literal["model", "bfloat16", "float16", "float32"] = Field(
         "model",

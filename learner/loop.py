@@ -79,6 +79,10 @@ class Learner:
     def run(self) -> int:
         self.start()
         steps = self.cfg.run.steps
+        if self.is_rank0 and self.progress.step >= steps:  # `docker compose up` again after the run's end
+            log.info("run %s has trained its %d steps already (its checkpoint is at step %d): nothing to do. For a new "
+                     "run give it another run.name (GRPO_RUN_NAME); to go on with this one, raise run.steps",
+                     self.cfg.run.name, steps, self.progress.step)  # fmt: skip
         last = time.perf_counter()
         while self.progress.step < steps:
             batch = self.intake.collect()
@@ -146,6 +150,7 @@ class Learner:
         if p.step % self.cfg.checkpoint.every == 0 or p.step == steps:
             self.checkpoint()
         if self.is_rank0:
+            self.record.log_progress(row)
             self.record.raise_alarms(row)
         return now
 
@@ -310,7 +315,7 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
         stop = learner.stop
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        log.info("learner: %d steps, metrics %s, run dir %s", cfg.run.steps, server.url, cfg.run.dir)
+        log.info("learner: %d steps, metrics on %s, run dir %s", cfg.run.steps, server.listening, cfg.run.dir)
         return learner.run()
     except ConfigError:
         if made and learner is None:  # refused before training (the task, the chat template): nothing is left

@@ -17,6 +17,7 @@ from typing import Any
 
 from common.config import Config
 from common.metrics import LearnerMetrics
+from common.pace import eta_s, step_line
 from common.storage import StorageError, fsync_dir, fsync_file, writing
 from common.transport import Transport, read_balance
 from learner.alarms import Alarms
@@ -43,6 +44,8 @@ class Record:
         self.alarms = Alarms(lc.alarm_window, lc.alarm_clip_ratio, lc.alarm_zero_std)
         self.trackers = Trackers()  # run.trackers, opened on rank 0 once the run's identity is known
         self.started = time.perf_counter()
+        self.accuracy: float | None = None  # the newest held-out accuracy, for the progress line
+        self._recent: list[dict[str, Any]] = []  # the last rows, for the progress line's ETA
 
     def open_trackers(self, first_row: int) -> None:
         """After the run's identity (it names the W&B run); ``first_row``: the step of the next row."""
@@ -83,6 +86,8 @@ class Record:
             return
         with writing(self.path), self.path.open("a") as f:
             f.write(_json_row(row) + "\n")
+        if "eval/accuracy" in row:
+            self.accuracy = row["eval/accuracy"]
         self.trackers.log(row)  # after metrics.jsonl, the record; a tracker's failure never reaches training
         self.metrics.step.set(self.progress.step)
         self.metrics.policy_version.set(self.progress.version)
@@ -105,6 +110,15 @@ class Record:
         m.lr.set(row["lr"])
         m.tokens_per_s.set(row["tokens_per_s"])
         m.step_seconds.observe(row["time/step_s"])
+
+    def log_progress(self, row: dict[str, Any]) -> None:
+        """Every ``learner.log_every`` steps and at the last, the step's line (common.pace.step_line) in the log:
+        a learner run alone (docker compose, Kubernetes) says how it goes without a dashboard."""
+        self._recent = [*self._recent[-40:], row]
+        every, steps = self.cfg.learner.log_every, self.cfg.run.steps
+        if every and (row["step"] % every == 0 or row["step"] == steps):
+            eta = eta_s(self._recent, steps)
+            log.info("%s", step_line(row, steps, self.accuracy, row["time/elapsed_s"], eta))
 
     def raise_alarms(self, row: dict[str, Any]) -> None:
         for message in self.alarms.update(row):

@@ -16,22 +16,13 @@ from rich.live import Live
 from rich.table import Table
 
 from common.config import Config
+from common.pace import clock, eta_s, step_line
 
 _PLAIN_EVERY_S = 5.0
-_RATE_WINDOW = 20  # steps the ETA's rate is measured over: recent enough to follow a change of pace
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
-
-
-def clock(seconds: float | None) -> str:
-    """``42`` → ``0:42``, ``3725`` → ``1:02:05``; None → ``-``."""
-    if seconds is None:
-        return "-"
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 @dataclass(frozen=True)
@@ -60,23 +51,10 @@ def waiting_for(s: Startup) -> tuple[str, str]:
         return "model", f"waiting for the learner to load the model{actors}"
     if not s.evaluated:
         return "evaluation", f"waiting for the learner to evaluate step 0{actors}"
+    if s.produced >= s.batch:  # the groups are there: a real model's first step takes a while to train
+        return "training", f"the learner is training step 1 ({s.produced} groups sent, {s.batch} a step){actors}"
     whose = "the actors' first groups" if s.actors else "groups from the actors you start (run.actors=0)"
     return "groups", f"waiting for {whose}: {s.produced} of the {s.batch} that step 1 takes{actors}"
-
-
-def eta_s(rows: list[dict[str, Any]], steps: int) -> float | None:
-    """Seconds until step ``steps``, at the learner's rate over its last steps (``time/elapsed_s`` of its rows);
-    None before the first step."""
-    trained = [r for r in rows if r.get("step", 0) > 0 and "time/elapsed_s" in r]
-    if not trained:
-        return None
-    last = trained[-1]
-    first = trained[max(0, len(trained) - 1 - _RATE_WINDOW)]
-    if last["step"] > first["step"]:
-        per_step = (last["time/elapsed_s"] - first["time/elapsed_s"]) / (last["step"] - first["step"])
-    else:  # one step so far: its own time, less its wait for the actors' first groups (start-up, not the pace)
-        per_step = last.get("time/step_s", 0.0) - last.get("time/wait_s", 0.0)
-    return max(0, steps - last["step"]) * per_step
 
 
 class Progress:
@@ -93,7 +71,9 @@ class Progress:
         self._eta: tuple[float, float] | None = None  # (ETA in seconds, perf_counter when it was computed)
         self._next_plain = 0.0
         self._printed_step = -1
-        self._phase = ""
+        self._phase = ""  # the start-up stage shown last (plain lines: one at each new stage)
+        self._stage = ""  # the start-up stage seen last, and since when (seconds since the start)
+        self._stage_since = 0.0
         self._next_waiting = 0.0
 
     def elapsed(self) -> float:
@@ -139,6 +119,9 @@ class Progress:
         """Before the first step: show what the run waits for. Plain lines at each new stage, and every
         ``_PLAIN_EVERY_S`` while a stage's counts change."""
         phase, line = waiting_for(startup)
+        if phase != self._stage:
+            self._stage, self._stage_since = phase, self.elapsed()
+        line = f"{line}, since {clock(self._stage_since)}"
         changed = line != self.waiting
         self.waiting = line
         if self._live is not None:
@@ -170,14 +153,8 @@ class Progress:
             self._plain_step()
 
     def _plain_step(self) -> None:
-        r = self.last
-        self._printed_step = r["step"]
-        self.say(
-            f"step {r['step']:>4}/{self.cfg.run.steps}  reward {r['reward']:.3f}  "
-            f"accuracy {_fmt(self.accuracy, '.2f')}  zero-std {r['frac_reward_zero_std']:.2f}  "
-            f"staleness {r['staleness/mean']:.2f}  {r['groups_per_s']:.1f} groups/s  "
-            f"elapsed {clock(self.elapsed())}  eta {clock(self.eta())}"
-        )
+        self._printed_step = self.last["step"]
+        self.say(step_line(self.last, self.cfg.run.steps, self.accuracy, self.elapsed(), self.eta()))
 
     def _table(self) -> Table:
         r = self.last

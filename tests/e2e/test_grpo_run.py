@@ -209,7 +209,9 @@ def test_actors_zero_says_what_to_start_and_the_view_says_what_it_waits_for(  # 
     out = log.read_text()
     lines = out.splitlines()
     first = lines.index(next(line for line in lines if "waiting for" in line))
-    assert re.fullmatch(r"\[\d+:\d\d\] waiting for the learner to start \(0 of 1 up\)", lines[first]), lines[first]
+    assert re.fullmatch(r"\[\d+:\d\d\] waiting for the learner to start \(0 of 1 up\), since \d+:\d\d", lines[first]), (
+        lines[first]
+    )
     # Between the learner's start and the groups: its model load and its step-0 evaluation (a second each at least).
     assert "] waiting for the learner to load the model" in out or "] waiting for the learner to evaluate step 0" in out
     assert re.search(r"^step +3/3 .* elapsed \d+:\d\d  eta 0:00$", out, re.M), out

@@ -4,6 +4,7 @@ ones, dead-letters malformed messages with their reason, and the accounting bala
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -118,6 +119,10 @@ def test_learner_trains_drops_and_dead_letters(tiny_model_dir: Path, redis_url: 
     assert rows[1]["reward"] == pytest.approx(0.5) and rows[1]["frac_reward_zero_std"] == 0.0
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["run"]["steps"] == 4 and cfg["learner"]["max_staleness"] == 1
+    # Its log: a line per step (learner.log_every 1), with the newest held-out accuracy and the ETA.
+    lines = re.findall(r"learner: (step +\d+/4 .*)$", (tmp_path / "learner.log").read_text(), re.M)
+    assert [int(re.match(r"step +(\d+)", line).group(1)) for line in lines] == [1, 2, 3, 4]  # type: ignore[union-attr]
+    assert lines[-1].endswith("eta 0:00") and f"accuracy {rows[2]['eval/accuracy']:.2f}" in lines[2]
     # Versions 0..4 were published; the newest three are kept.
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v000002", "v000003", "v000004"]
     assert t.latest_weights().version == 4
@@ -247,6 +252,14 @@ def test_sigterm_checkpoints_and_a_new_learner_resumes(
     b = read_balance(t)
     assert b.trained == 10 and b.unexplained == 0
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000003", "step-000005"]  # checkpoint.keep = 2
+
+    # Started again after its last step (`docker compose up` once more): it says so, and how to start a new run.
+    third = processes.grpo("learner", *args, log=tmp_path / "third.log")
+    assert third.wait(timeout=180) == 0, (tmp_path / "third.log").read_text()
+    assert (
+        "run resume has trained its 5 steps already (its checkpoint is at step 5): nothing to do. For a new run "
+        "give it another run.name (GRPO_RUN_NAME)" in (tmp_path / "third.log").read_text()
+    )
 
 
 class WeightsStub:

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from ops.live_view import Startup, clock, eta_s, waiting_for
+from common.pace import clock, eta_s, step_line
+from ops.live_view import Startup, waiting_for
 
 
 def test_clock() -> None:
     assert [clock(s) for s in (0, 42, 61.9, 3725)] == ["0:00", "0:42", "1:01", "1:02:05"]
     assert clock(None) == "-"
+
+
+def test_the_step_line_the_learner_logs_and_grpo_run_prints() -> None:
+    r = {"step": 12, "reward": 0.4123, "frac_reward_zero_std": 0.125, "staleness/mean": 0.5, "groups_per_s": 1.34}
+    assert step_line(r, 200, 0.85, 31.0, 83.0) == (
+        "step   12/200  reward 0.412  accuracy 0.85  zero-std 0.12  staleness 0.50  1.3 groups/s  elapsed 0:31  "
+        "eta 1:23"
+    )
+    assert "accuracy -  " in step_line(r, 200, None, 0.0, None) and step_line(r, 200, None, 0.0, None).endswith("eta -")
 
 
 def row(step: int, elapsed: float, step_s: float = 1.0, wait_s: float = 0.0) -> dict:
@@ -45,6 +55,11 @@ def test_the_start_up_line_names_what_the_run_waits_for() -> None:
     )
     assert waiting_for(startup(evaluated=False)) == ("evaluation", "waiting for the learner to evaluate step 0")
     assert waiting_for(startup()) == ("groups", "waiting for the actors' first groups: 3 of the 8 that step 1 takes")
+    # The groups are there and a real model's first step takes minutes: say what the learner does, not "17 of 8".
+    assert waiting_for(startup(produced=17)) == (
+        "training",
+        "the learner is training step 1 (17 groups sent, 8 a step)",
+    )
     assert waiting_for(startup(actors=0, actors_ready=1, started=1)) == (
         "groups",
         "waiting for groups from the actors you start (run.actors=0): 3 of the 8 that step 1 takes",
