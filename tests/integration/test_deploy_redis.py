@@ -1,8 +1,10 @@
 """The Redis start script and healthcheck of docker-compose.yml and deploy/kubernetes, run against a real
 redis-server: the password reaches the server from the secret's file, and only from there.
 
-No Docker engine here: the image's entrypoint and its ``redis`` user are stood in for by two small scripts on PATH,
-and the container's paths (``/run/secrets``, ``/run/redis-conf``) by temporary ones.
+No Docker engine here: the image's entrypoint and its ``redis`` user are stood in for by small scripts on PATH, and the
+container's paths (``/run/secrets``, ``/run/redis-conf``) by temporary ones. Two images: the official one, whose
+entrypoint drops root, and Debian's redis-server (``scripts/build-images.sh --offline``), which has no entrypoint and
+is started as its user with setpriv. (tests/compose runs both scripts in real containers.)
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def redis_container() -> dict:
 class Container:
     """A stand-in for the redis image: its entrypoint and chown on PATH, its secret and tmpfs in a directory."""
 
-    def __init__(self, root: Path, password: str):
+    def __init__(self, root: Path, password: str, official: bool = True):
         self.root = root
         self.bin = root / "bin"
         self.bin.mkdir(parents=True)
@@ -63,7 +65,11 @@ class Container:
         self.port = free_port()
         # The image's entrypoint ends in `exec gosu redis redis-server CONF --protected-mode no ...`, and its Redis
         # listens on 6379; here the port and data directory are this test's.
-        self._script("docker-entrypoint.sh", f'exec "$@" --port {self.port} --bind 127.0.0.1 --dir {root}')
+        listen = f"--port {self.port} --bind 127.0.0.1 --dir {root}"
+        if official:
+            self._script("docker-entrypoint.sh", f'exec "$@" {listen}')
+        else:  # Debian's image: `setpriv --reuid=redis --regid=redis --init-groups redis-server ...`, as root
+            self._script("setpriv", f'echo "$1 $2 $3" > {root}/setpriv; shift 3; exec "$@" {listen}')
         self._script("redis-cli", f'exec {server.with_name("redis-cli")} -p {self.port} "$@"')
         self._script("chown", f'echo "$@" > {root}/chowned')  # the image has a redis user; this machine may not
         self.secret = root / "secrets" / "redis_password"
@@ -94,9 +100,9 @@ def password() -> str:
     return secrets.token_urlsafe(24) + '"\\%s$'  # quotes, backslashes, printf and shell characters arrive intact
 
 
-@pytest.fixture
-def container(tmp_path: Path, password: str) -> Iterator[Container]:
-    yield Container(tmp_path, password)
+@pytest.fixture(params=["official", "debian"])
+def container(request: pytest.FixtureRequest, tmp_path: Path, password: str) -> Iterator[Container]:
+    yield Container(tmp_path, password, official=request.param == "official")
 
 
 def start(container: Container, command: list[str], password: str) -> subprocess.Popen:
@@ -138,6 +144,12 @@ def test_the_redis_script_demands_the_secrets_password(container: Container, pas
         conf = container.conf_dir / "redis.conf"
         assert stat.S_IMODE(conf.stat().st_mode) == 0o600  # readable by the redis user alone
         assert (container.root / "chowned").read_text().split() == ["redis", str(conf)]
+        if (container.bin / "setpriv").exists():  # no entrypoint in the image: the script drops root itself
+            assert (container.root / "setpriv").read_text().split() == [
+                "--reuid=redis",
+                "--regid=redis",
+                "--init-groups",
+            ]
         assert password not in " ".join(cast(list[str], proc.args))
         assert container.healthy(check)
         container.secret.write_text("wrong\n")

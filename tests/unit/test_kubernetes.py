@@ -48,7 +48,10 @@ def container(kind: str, name: str) -> dict[str, Any]:
 
 
 def compose() -> dict[str, Any]:
-    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    """The GPU deployment compose runs (docker-compose.yml with docker-compose.gpu.yml), as Kubernetes does."""
+    from tests.unit.test_deploy import gpu_compose
+
+    return gpu_compose()
 
 
 def test_kustomization_lists_every_manifest() -> None:
@@ -86,9 +89,8 @@ def test_the_roles_run_what_compose_runs() -> None:
         c = container(kind, name)
         # The same command, the config named by GRPO_CONFIG as compose names it.
         expected = [
-            a.replace("${GRPO_CONFIG:-configs/compose.yaml}", "$(GRPO_CONFIG)") for a in services[role]["command"]
+            a.replace("${GRPO_CONFIG:-configs/compose-gpu.yaml}", "$(GRPO_CONFIG)") for a in services[role]["command"]
         ]
-        expected = [re.sub(r"\$\{SGLANG_MEM_FRACTION:-([0-9.]+)\}", r"\1", a) for a in expected]
         assert c["command"] == expected
         assert c["ports"] == [{"name": "metrics", "containerPort": port}]
         annotations = by_name(kind, name)["spec"]["template"]["metadata"]["annotations"]
@@ -115,8 +117,10 @@ def config_map() -> dict[str, str]:
 def test_the_config_the_pods_name_loads_with_their_environment() -> None:
     env = {k: v for k, v in config_map().items() if k.startswith("GRPO_")}
     assert (REPO / env.pop("GRPO_CONFIG")).is_file()
-    cfg = load_config(REPO / "configs" / "compose.yaml", ["metrics.port=9400"], env=env)
+    cfg = load_config(REPO / "configs" / config_map()["GRPO_CONFIG"].removeprefix("configs/"), ["metrics.port=9400"],
+                      env=env)  # fmt: skip
     assert cfg.redis.url == "redis://grpo-redis:6379/0" and cfg.run.name == "k8s" and cfg.metrics.host == "0.0.0.0"
+    assert cfg.weights.dir == "/weights/k8s" and cfg.actor.engine == "sglang" and cfg.model.device == "cuda"
     assert by_name("Service", "grpo-redis")["spec"]["ports"][0]["port"] == 6379
 
 
@@ -176,7 +180,7 @@ def test_every_pod_runs_as_a_non_root_user_with_requests() -> None:
             assert requests.get("cpu") and requests.get("memory"), name
     # The roles' user is the one their images create (it owns the directories the volumes start from).
     for kind, name, dockerfile in (
-        ("StatefulSet", "grpo-learner", "learner.Dockerfile"),
+        ("StatefulSet", "grpo-learner", "Dockerfile"),
         ("Deployment", "grpo-actor", "actor.Dockerfile"),
     ):
         assert by_name(kind, name)["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == dockerfile_uid(

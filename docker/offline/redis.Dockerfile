@@ -1,0 +1,10 @@
+# Debian's redis-server (in the offline base, from Debian's archive) as docker-compose.yml's redis service runs the
+# official image: the data in /data (owned by the redis user, so the volume Docker makes from it is Redis's), the
+# server started by compose's script, which drops root for the redis user with setpriv (the official image's
+# entrypoint does it with gosu).
+ARG BASE_IMAGE
+FROM ${BASE_IMAGE}
+WORKDIR /data
+VOLUME /data
+EXPOSE 6379
+CMD ["redis-server"]

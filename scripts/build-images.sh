@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Build the images docker-compose.yml runs.
+#
+#   scripts/build-images.sh                 # from the usual registries: docker compose build
+#   scripts/build-images.sh --gpu           # the same with the GPU override (CUDA PyTorch and SGLang bases)
+#   scripts/build-images.sh --offline       # no container registry: the CPU stack from Debian's packages and a
+#                                           # wheelhouse made with pip on this machine
+#
+# --offline needs root (debootstrap, installed with apt-get where it is missing), Debian's archive (the mirror of this machine's apt sources, or DEBIAN_MIRROR),
+# the package index pip uses here, and Python 3.11 on this machine (the images' Python: Debian bookworm's). It builds
+#   grpo-offline/debian:bookworm      debootstrap's minimal bookworm with Python 3.11 and redis-server, imported:
+#                                     the base of the project's image (PYTHON_IMAGE, TORCH_IMAGE)
+#   grpo-offline/redis:<version>      that base running Debian's redis-server (REDIS_IMAGE)
+#   grpo-offline/prometheus:<version> that base with Debian's prometheus (PROMETHEUS_IMAGE)
+#   docker/wheels/                    a wheel of every Python package the image installs, pinned by
+#                                     docker/constraints.txt (torch: the CPU build), installed with PIP_OFFLINE=1
+# then writes those settings into the env file (.env, made from .env.example if missing; --env-file FILE for
+# another), so that `docker compose up` uses them, and builds the project's image. Each step is skipped when its
+# result is already there (--rebuild-base redoes the base images). Grafana is not in Debian's archive: its profile
+# needs its image from a registry (or `docker load`).
+#
+# Exits 2, saying what is missing in one line, where it cannot build.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/lib/debian-mirror.sh
+
+say() { echo "build-images: $*" >&2; }
+die() { say "$*"; exit 2; }
+
+offline=0 gpu=0 rebuild_base=0 env_file=.env
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --offline) offline=1 ;;
+    --gpu) gpu=1 ;;
+    --rebuild-base) rebuild_base=1 ;;
+    --env-file) env_file=${2:?--env-file needs a file}; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
+  esac
+  shift
+done
+
+command -v docker >/dev/null || die "no docker command: install Docker (or Debian's docker.io) first"
+docker compose version >/dev/null 2>&1 || die "no Docker Compose v2 (\`docker compose\`): install the compose plugin"
+docker info >/dev/null 2>&1 || die "the Docker engine does not answer (is dockerd running, may this user use it?)"
+[ -f "$env_file" ] || { cp .env.example "$env_file"; say "made $env_file from .env.example"; }
+
+files=(-f docker-compose.yml)
+[ $gpu = 0 ] || files+=(-f docker-compose.gpu.yml)
+
+if [ $offline = 0 ]; then
+  exec docker compose --env-file "$env_file" "${files[@]}" build
+fi
+[ $gpu = 0 ] || die "--offline builds the CPU stack only: the GPU images' bases (CUDA PyTorch, SGLang) come from a registry or \`docker load\`"
+
+# --- the base image: Debian bookworm from its archive ---------------------------------------------------------
+BASE=grpo-offline/debian:bookworm
+work=build/offline
+mkdir -p "$work"
+
+if [ $rebuild_base = 1 ] || ! docker image inspect "$BASE" >/dev/null 2>&1; then
+  [ "$(id -u)" = 0 ] || die "--offline makes its base image with debootstrap, which needs root"
+  if ! command -v debootstrap >/dev/null; then
+    command -v apt-get >/dev/null || die "--offline needs debootstrap, and there is no apt-get to install it with"
+    say "installing debootstrap (Debian's package)"
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends debootstrap \
+      || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends debootstrap; }; } \
+      > "$work/apt.log" 2>&1 || die "could not install debootstrap (its log: $work/apt.log)"
+  fi
+  keyring=()
+  [ ! -f /usr/share/keyrings/debian-archive-keyring.gpg ] || keyring=(--keyring /usr/share/keyrings/debian-archive-keyring.gpg)
+  rootfs="$work/rootfs"
+  rm -rf "$rootfs"
+  say "debootstrap bookworm from $(debian_mirror) (about a minute)"
+  debootstrap --variant=minbase "${keyring[@]}" --include=python3,python3-venv,ca-certificates,redis-server,wget \
+    bookworm "$rootfs" "$(debian_mirror)" > "$work/debootstrap.log" 2>&1 \
+    || { tail -3 "$work/debootstrap.log" >&2; die "debootstrap failed (its log: $work/debootstrap.log)"; }
+  # What an image does not need: the package lists and downloaded packages, documentation.
+  rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/cache/apt/*.bin "$rootfs"/var/lib/apt/lists/* \
+         "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/*
+  # The data directories the Redis and Prometheus images start their volumes from, owned by their users.
+  mkdir -p "$rootfs/data" "$rootfs/prometheus"
+  chroot "$rootfs" chown redis:redis /data
+  chroot "$rootfs" chown nobody:nogroup /prometheus
+  chroot "$rootfs" dpkg-query -W -f='${Version}' redis-server > "$work/redis-version"
+  tar -C "$rootfs" -c . | docker import \
+    --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+    --change 'CMD ["/bin/bash"]' - "$BASE" >/dev/null
+  rm -rf "$rootfs"
+  say "imported $BASE"
+fi
+
+# --- Redis and Prometheus from Debian's packages ----------------------------------------------------------------
+redis_version=$(cut -d: -f2 "$work/redis-version" 2>/dev/null | cut -d- -f1)
+[ -n "$redis_version" ] || redis_version=$(docker run --rm "$BASE" dpkg-query -W -f='${Version}' redis-server | cut -d: -f2 | cut -d- -f1)
+prom_dir="$work/prometheus"
+if [ ! -x "$prom_dir/usr/bin/prometheus" ]; then
+  rm -rf "$prom_dir" && mkdir -p "$prom_dir"
+  (cd "$prom_dir" && apt-get download prometheus >/dev/null 2>&1) \
+    || { apt-get update -q >/dev/null 2>&1 && (cd "$prom_dir" && apt-get download prometheus >/dev/null 2>&1); } \
+    || die "could not download Debian's prometheus package (apt-get download prometheus)"
+  dpkg -x "$prom_dir"/prometheus_*.deb "$prom_dir"
+fi
+prom_version=$(basename "$prom_dir"/prometheus_*.deb | cut -d_ -f2 | cut -d+ -f1)
+REDIS=grpo-offline/redis:$redis_version
+PROMETHEUS=grpo-offline/prometheus:$prom_version
+BASE_IMAGE=$BASE PROMETHEUS_DIR=$(cd "$prom_dir" && pwd) DOCKERFILES=$(pwd)/docker/offline REDIS_IMAGE=$REDIS \
+  PROMETHEUS_IMAGE=$PROMETHEUS \
+  docker compose -f docker/offline/images.yml build --quiet \
+  || die "building $REDIS and $PROMETHEUS failed"
+say "built $REDIS and $PROMETHEUS"
+
+# --- the wheelhouse ----------------------------------------------------------------------------------------------
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || die "--offline makes the wheelhouse with Python 3.11, the images' Python: set PYTHON=/path/to/python3.11"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || die "$PYTHON is not Python 3.11, the images' Python"
+extras=$(sed -n 's/^ARG EXTRAS="\(.*\)"$/\1/p' docker/Dockerfile)
+wheels=docker/wheels
+want=$(cat pyproject.toml docker/constraints.txt docker/requirements.py | sha256sum | cut -d' ' -f1)-$extras
+if [ "$(cat "$wheels/.made-for" 2>/dev/null)" != "$want" ]; then
+  "$PYTHON" docker/requirements.py requirements pyproject.toml $extras > "$work/requirements.txt"
+  index=()
+  torch_index=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
+  if "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$torch_index/" 2>/dev/null; then
+    index=(--extra-index-url "$torch_index")
+  else
+    say "PyTorch's CPU index ($torch_index) does not answer: torch comes from pip's own index and links"
+  fi
+  find "$wheels" -name '*.whl' -delete
+  say "making the wheelhouse in $wheels"
+  # async-timeout by name: redis-py needs it on the images' Python 3.11.2, and pip leaves it out on a newer host;
+  # setuptools: what the project's own install builds with.
+  "$PYTHON" -m pip wheel --quiet --disable-pip-version-check "${index[@]}" --wheel-dir "$wheels" \
+    -r "$work/requirements.txt" -c docker/constraints.txt async-timeout setuptools > "$work/pip-wheel.log" 2>&1 \
+    || { grep -v '^WARNING' "$work/pip-wheel.log" | tail -5 >&2; die "pip could not make the wheelhouse (its log: $work/pip-wheel.log)"; }
+  echo "$want" > "$wheels/.made-for"
+fi
+
+# --- the env file, then the project's image ---------------------------------------------------------------------
+set_env() {
+  # KEY=VALUE in the env file: the line replaced where it is there, appended where not.
+  if grep -q "^$1=" "$env_file"; then
+    sed -i "s|^$1=.*|$1=$2|" "$env_file"
+  else
+    printf '%s=%s\n' "$1" "$2" >> "$env_file"
+  fi
+}
+set_env PYTHON_IMAGE "$BASE"
+set_env TORCH_IMAGE "$BASE"
+set_env PIP_OFFLINE 1
+set_env REDIS_IMAGE "$REDIS"
+set_env PROMETHEUS_IMAGE "$PROMETHEUS"
+say "wrote PYTHON_IMAGE, TORCH_IMAGE, PIP_OFFLINE, REDIS_IMAGE, PROMETHEUS_IMAGE into $env_file"
+docker compose --env-file "$env_file" -f docker-compose.yml build
+say "done: docker compose up -d --scale actor=2"

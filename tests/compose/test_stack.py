@@ -1,0 +1,193 @@
+"""`docker compose up`, for real: the CPU stack as the README builds and runs it, on a real Docker engine.
+
+The images are built offline (``scripts/build-images.sh --offline``: a Debian base from Debian's archive, Python
+packages from a wheelhouse), then the stack comes up with ``--scale actor=2`` on a short run and is checked from
+outside the containers: the learner steps, both actors produce groups, Prometheus scrapes the learner and both actors
+and has loaded the alert rules, ``grpo status`` balances while the learner runs and after it has exited, a
+``docker compose restart learner`` resumes from a checkpoint, and ``docker compose down -v`` leaves no container,
+volume or network. Nothing is pulled from a registry (``--pull never``; every image is built here); the test talks to
+loopback and the stack's own network only. The stack has a project name of its own, so a stack of the user's is
+never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.net import free_port
+from common.procs import wait_until
+
+pytestmark = [pytest.mark.compose, pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 60
+# A step of at least a second (learner.min_step_s): the run lasts long enough for Prometheus to find every
+# replica (its DNS refresh is 15 s) and for the restart to land mid-run.
+SHORT_RUN = f"""
+services:
+  learner:
+    command: [grpo, learner, --config, /app/configs/compose.yaml, -o, metrics.port=9400, -o, run.steps={STEPS},
+              -o, learner.min_step_s=1.0, -o, learner.eval_every=30]
+"""
+
+
+class Stack:
+    """One compose project: ``docker compose`` with its env file, its files and its project name."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.project = f"grpo-test-{secrets.token_hex(4)}"
+        self.env_file = tmp / "env"
+        self.prometheus_port = free_port()
+        self.times: dict[str, float] = {}
+        settings = {
+            "REDIS_PASSWORD": secrets.token_urlsafe(24),
+            "GRPO_RUN_NAME": "ci",
+            "GRPO_IMAGE_TAG": "compose-test",  # never the user's :latest
+            "PROMETHEUS_PORT": str(self.prometheus_port),
+            "GRPO_MODELS_DIR": str(tmp / "models"),  # bind mounts Docker would otherwise create in the clone
+            "GRPO_DATA_DIR": str(tmp / "data"),
+        }
+        (tmp / "models").mkdir()
+        (tmp / "data").mkdir()
+        lines = (REPO / ".env.example").read_text().splitlines()
+        lines = [f"{k}={settings.pop(k)}" if (k := line.partition("=")[0]) in settings else line for line in lines]
+        self.env_file.write_text("\n".join([*lines, *(f"{k}={v}" for k, v in settings.items())]) + "\n")
+        self.override = tmp / "short-run.yml"
+        self.override.write_text(SHORT_RUN)
+
+    def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        cmd = ["docker", "compose", "--env-file", str(self.env_file), "-p", self.project,
+               "-f", str(REPO / "docker-compose.yml"), "-f", str(self.override), *args]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        if check:
+            assert done.returncode == 0, f"{' '.join(args)}: {done.stdout}{done.stderr}"
+        return done
+
+    def timed(self, phase: str, started: float) -> None:
+        self.times[phase] = round(time.perf_counter() - started, 1)
+
+    def logs(self, service: str) -> str:
+        return self.compose("logs", "--no-color", "--no-log-prefix", service).stdout
+
+    def states(self, service: str) -> list[dict]:
+        out = self.compose("ps", "-a", "--format", "json", service).stdout
+        rows = [json.loads(line) for line in out.splitlines() if line.strip()]
+        return [r for row in rows for r in (row if isinstance(row, list) else [row])]
+
+    def prometheus(self, path: str) -> dict:
+        url = f"http://127.0.0.1:{self.prometheus_port}{path}"
+        reply = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert reply["status"] == "success", reply
+        return dict(reply["data"])
+
+    def leftovers(self) -> dict[str, list[str]]:
+        label = f"label=com.docker.compose.project={self.project}"
+        found = {}
+        for kind, command in (
+            ("containers", ["ps", "-a"]),
+            ("volumes", ["volume", "ls"]),
+            ("networks", ["network", "ls"]),
+        ):
+            out = subprocess.run(["docker", *command, "-q", "--filter", label], capture_output=True, text=True).stdout
+            found[kind] = out.split()
+        return found
+
+
+@pytest.fixture(scope="module")
+def stack(docker_engine: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("compose"))
+    t0 = time.perf_counter()
+    built = subprocess.run([str(REPO / "scripts" / "build-images.sh"), "--offline", "--env-file", str(s.env_file)],
+                           capture_output=True, text=True, timeout=1800, cwd=REPO)  # fmt: skip
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    s.timed("build offline", t0)
+    try:
+        yield s
+    finally:  # whatever happened: nothing of the project stays
+        s.compose("down", "-v", "--remove-orphans", "--timeout", "30", check=False, timeout=300)
+        print("compose phases (s):", s.times)
+
+
+def learner_step(logs: str) -> int:
+    steps = re.findall(r"learner: step +(\d+)/\d+ ", logs)
+    return int(steps[-1]) if steps else 0
+
+
+def rule_count() -> int:
+    groups = yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yml").read_text())["groups"]
+    return sum(len(g["rules"]) for g in groups)
+
+
+@pytest.mark.timeout(3000)
+def test_the_cpu_stack_trains_scales_is_scraped_resumes_and_leaves_nothing(stack: Stack) -> None:
+    images = stack.compose("config", "--images").stdout.split()
+    missing = [i for i in images if subprocess.run(["docker", "image", "inspect", i], capture_output=True).returncode]
+    assert not missing, f"not built here (the test pulls nothing): {missing}"
+
+    t0 = time.perf_counter()
+    stack.compose("up", "-d", "--pull", "never", "--scale", "actor=2", timeout=900)
+    stack.timed("up (demo model built)", t0)
+    assert wait_until(lambda: learner_step(stack.logs("learner")) >= 3, 300, 2), stack.logs("learner")
+    stack.timed("first steps", t0)
+
+    # Prometheus finds the learner and both actors through Docker's DNS, and loads the alert rules.
+    def targets_up() -> list[tuple[str, str]]:
+        active = stack.prometheus("/api/v1/targets")["activeTargets"]
+        return sorted((t["labels"]["job"], t["health"]) for t in active)
+
+    want = [("grpo-actor", "up"), ("grpo-actor", "up"), ("grpo-learner", "up")]
+    assert wait_until(lambda: targets_up() == want, 120, 2), targets_up()
+    rules = [r for g in stack.prometheus("/api/v1/rules")["groups"] for r in g["rules"]]
+    assert len(rules) == rule_count() and all(r["health"] == "ok" for r in rules), rules
+
+    # Both actors produce groups: Prometheus has a positive count from each replica.
+    def producing() -> list[float]:
+        series = stack.prometheus("/api/v1/query?query=sum%20by%20(instance)%20(grpo_actor_groups_produced_total)")
+        return [float(s["value"][1]) for s in series["result"]]
+
+    assert wait_until(lambda: len(producing()) == 2 and min(producing()) > 0, 90, 2), producing()
+    stack.timed("scraped", t0)
+
+    # grpo status inside the running learner: the accounting balances mid-run.
+    status = stack.compose("exec", "-T", "learner", "grpo", "status", timeout=120)
+    assert "(balanced)" in status.stdout, status.stdout
+    assert learner_step(stack.logs("learner")) < STEPS, "the run ended before the restart: raise STEPS"
+
+    # A restart resumes from the learner's checkpoint (every step by default), not from step 0.
+    stack.compose("restart", "learner", timeout=300)
+    resumed = re.compile(r"resumed from \S+: step (\d+), policy version \d+")
+    assert wait_until(lambda: resumed.search(stack.logs("learner")), 120, 1), stack.logs("learner")
+    step = int(resumed.findall(stack.logs("learner"))[-1])
+    assert step > 0, stack.logs("learner")
+    stack.timed("restarted", t0)
+
+    # The run ends by itself: the learner exits 0 after its last step, the actors when they see it done.
+    def exited(service: str) -> list[int]:
+        return [int(r["ExitCode"]) for r in stack.states(service) if r["State"] == "exited"]
+
+    assert wait_until(lambda: exited("learner") == [0], 600, 2), stack.logs("learner")[-3000:]
+    assert f"learner: step {STEPS:>4}/{STEPS}" in stack.logs("learner")
+    assert wait_until(lambda: exited("actor") == [0, 0], 180, 2), stack.logs("actor")[-3000:]
+    stack.timed("finished", t0)
+
+    # After the learner has gone: grpo status in a one-off container of its image, and the same balance.
+    after = stack.compose("run", "--rm", "--no-deps", "learner", "grpo", "status", timeout=180)
+    assert "(balanced)" in after.stdout and "learner finished: yes" in after.stdout, after.stdout
+    assert re.search(r"trained \d+ ", after.stdout), after.stdout
+
+    # down -v: no container, volume or network of the project is left.
+    t1 = time.perf_counter()
+    stack.compose("down", "-v", timeout=300)
+    stack.timed("down -v", t1)
+    assert stack.leftovers() == {"containers": [], "volumes": [], "networks": []}
