@@ -64,3 +64,23 @@ def test_the_start_up_line_names_what_the_run_waits_for() -> None:
         "groups",
         "waiting for groups from the actors you start (run.actors=0): 3 of the 8 that step 1 takes",
     )
+
+
+def test_the_plain_view_says_since_when_it_waits(capsys: pytest.CaptureFixture[str]) -> None:
+    from common.config import load_config
+    from ops.live_view import Progress
+
+    clock_now = [100.0]
+    view = Progress(load_config(None, []), live=False, started=40.0)
+    view.elapsed = lambda: clock_now[0] - 40.0  # type: ignore[method-assign]
+    view.starting(startup(produced=3))  # 1:00 after the start: the stage begins
+    clock_now[0] = 170.0
+    view.starting(startup(produced=9))  # a new stage at 2:10: its own since
+    clock_now[0] = 230.0
+    view.starting(startup(produced=9))  # the same line: nothing printed
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "[1:00] waiting for the actors' first groups: 3 of the 8 that step 1 takes, since 1:00",
+        "[2:10] the learner is training step 1 (9 groups sent, 8 a step), since 2:10",
+    ]
+    assert view.waiting == "the learner is training step 1 (9 groups sent, 8 a step), since 2:10"
