@@ -20,12 +20,14 @@
 # needs its image from a registry (or `docker load`).
 #
 # Exits 2, saying what is missing in one line, where it cannot build.
-set -euo pipefail
+set -Eeuo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/lib/debian-mirror.sh
 
 say() { echo "build-images: $*" >&2; }
 die() { say "$*"; exit 2; }
+# A step that fails unforeseen says where, instead of ending the script without a word.
+trap 'status=$?; say "line $LINENO failed (exit $status)"; exit $status' ERR
 
 offline=0 gpu=0 rebuild_base=0 env_file=.env
 while [ $# -gt 0 ]; do
@@ -82,7 +84,6 @@ if [ $rebuild_base = 1 ] || ! docker image inspect "$BASE" >/dev/null 2>&1; then
   mkdir -p "$rootfs/data" "$rootfs/prometheus"
   chroot "$rootfs" chown redis:redis /data
   chroot "$rootfs" chown nobody:nogroup /prometheus
-  chroot "$rootfs" dpkg-query -W -f='${Version}' redis-server > "$work/redis-version"
   tar -C "$rootfs" -c . | docker import \
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'CMD ["/bin/bash"]' - "$BASE" >/dev/null
@@ -91,8 +92,11 @@ if [ $rebuild_base = 1 ] || ! docker image inspect "$BASE" >/dev/null 2>&1; then
 fi
 
 # --- Redis and Prometheus from Debian's packages ----------------------------------------------------------------
-redis_version=$(cut -d: -f2 "$work/redis-version" 2>/dev/null | cut -d- -f1)
-[ -n "$redis_version" ] || redis_version=$(docker run --rm "$BASE" dpkg-query -W -f='${Version}' redis-server | cut -d: -f2 | cut -d- -f1)
+# The tags name the packages' versions (7.0.15, 2.42.0), as the official images' tags do.
+redis_version=$(docker run --rm --network none "$BASE" dpkg-query -W -f='${Version}' redis-server) \
+  || die "$BASE has no redis-server (--rebuild-base makes it again)"
+redis_version=${redis_version#*:}
+redis_version=${redis_version%%-*}
 prom_dir="$work/prometheus"
 if [ ! -x "$prom_dir/usr/bin/prometheus" ]; then
   rm -rf "$prom_dir" && mkdir -p "$prom_dir"

@@ -37,7 +37,7 @@ def _stop(pid: int, grace_s: float = 60) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped as soon as the module's tests end
 def docker_engine() -> Iterator[None]:
     done = subprocess.run([str(REPO / "scripts" / "docker-engine.sh")], capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
