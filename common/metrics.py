@@ -322,9 +322,10 @@ class MetricsServer:
     def listening(self) -> str:
         """Where it listens, in words: ``http://0.0.0.0:9400/metrics (every address)`` when bound to all of them (a
         container's, reached by Prometheus over the compose network), else the URL itself."""
-        host = str(self._server.server_address[0])
-        if host in ("0.0.0.0", "", "::"):
-            return f"http://{host or '0.0.0.0'}:{self._server.server_address[1]}/metrics (every address)"
+        host = str(self._server.server_address[0]) or "0.0.0.0"
+        if host in ("0.0.0.0", "::"):
+            shown = f"[{host}]" if ":" in host else host
+            return f"http://{shown}:{self._server.server_address[1]}/metrics (every address)"
         return self.url
 
     def close(self) -> None:

@@ -25,8 +25,7 @@ COPY docker/requirements.py docker/constraints.txt docker/pip.sh /tmp/deps/
 COPY --from=requirements /requirements.txt /tmp/deps/requirements.txt
 # The image's torch, transformers and sglang stay as they are (requirements.py leaves out the pins of what is
 # installed): only what they lack is added, at the pinned versions.
-RUN --mount=type=bind,source=docker/wheels,target=/wheels \
-    python3 /tmp/deps/requirements.py constraints /tmp/deps/constraints.txt > /tmp/deps/pins.txt \
+RUN python3 /tmp/deps/requirements.py constraints /tmp/deps/constraints.txt > /tmp/deps/pins.txt \
     && sh /tmp/deps/pip.sh install -r /tmp/deps/requirements.txt -c /tmp/deps/pins.txt
 COPY pyproject.toml README.md ./
 COPY common ./common
@@ -35,8 +34,7 @@ COPY learner ./learner
 COPY grader ./grader
 # The operator's commands too: `grpo status` and `grpo dead` run from inside a container.
 COPY ops ./ops
-RUN --mount=type=bind,source=docker/wheels,target=/wheels \
-    sh /tmp/deps/pip.sh install --no-deps . && rm -rf /tmp/deps \
+RUN sh /tmp/deps/pip.sh install --no-deps . && rm -rf /tmp/deps \
     && python3 -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
 ENV PYTHONUNBUFFERED=1 HOME=/home/grpo
 USER 10001:10001

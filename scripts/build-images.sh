@@ -6,12 +6,13 @@
 #   scripts/build-images.sh --offline       # no container registry: the CPU stack from Debian's packages and a
 #                                           # wheelhouse made with pip on this machine
 #
-# --offline needs root (debootstrap, installed with apt-get where it is missing), Debian's archive (the mirror of this machine's apt sources, or DEBIAN_MIRROR),
-# the package index pip uses here, and Python 3.11 on this machine (the images' Python: Debian bookworm's). It builds
+# --offline needs root (debootstrap, installed with apt-get where it is missing), apt-get, Debian's archive (the
+# mirror of this machine's apt sources that serves bookworm, or DEBIAN_MIRROR), and python3 with pip and the package
+# index pip uses here (any Python: the wheels are chosen for the images' CPython 3.11). It builds
 #   grpo-offline/debian:bookworm      debootstrap's minimal bookworm with Python 3.11 and redis-server, imported:
 #                                     the base of the project's image (PYTHON_IMAGE, TORCH_IMAGE)
 #   grpo-offline/redis:<version>      that base running Debian's redis-server (REDIS_IMAGE)
-#   grpo-offline/prometheus:<version> that base with Debian's prometheus (PROMETHEUS_IMAGE)
+#   grpo-offline/prometheus:<version> that base with bookworm's prometheus package (PROMETHEUS_IMAGE)
 #   docker/wheels/                    a wheel of every Python package the image installs, pinned by
 #                                     docker/constraints.txt (torch: the CPU build), installed with PIP_OFFLINE=1
 # then writes those settings into the env file (.env, made from .env.example if missing; --env-file FILE for
@@ -21,8 +22,10 @@
 #
 # Exits 2, saying what is missing in one line, where it cannot build.
 set -Eeuo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-source scripts/lib/debian-mirror.sh
+self=$(realpath "${BASH_SOURCE[0]}")
+caller=$PWD
+cd "$(dirname "$self")/.."
+source scripts/lib/debian.sh
 
 say() { echo "build-images: $*" >&2; }
 die() { say "$*"; exit 2; }
@@ -35,8 +38,8 @@ while [ $# -gt 0 ]; do
     --offline) offline=1 ;;
     --gpu) gpu=1 ;;
     --rebuild-base) rebuild_base=1 ;;
-    --env-file) env_file=${2:?--env-file needs a file}; shift ;;
-    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    --env-file) env_file=$(cd "$caller" && realpath -m "${2:?--env-file needs a file}"); shift ;;
+    -h|--help) sed -n '2,/^set -Eeuo/p' "$self" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
   shift
@@ -99,11 +102,15 @@ redis_version=${redis_version#*:}
 redis_version=${redis_version%%-*}
 prom_dir="$work/prometheus"
 if [ ! -x "$prom_dir/usr/bin/prometheus" ]; then
-  rm -rf "$prom_dir" && mkdir -p "$prom_dir"
-  (cd "$prom_dir" && apt-get download prometheus >/dev/null 2>&1) \
-    || { apt-get update -q >/dev/null 2>&1 && (cd "$prom_dir" && apt-get download prometheus >/dev/null 2>&1); } \
-    || die "could not download Debian's prometheus package (apt-get download prometheus)"
-  dpkg -x "$prom_dir"/prometheus_*.deb "$prom_dir"
+  # Bookworm's package whatever this machine runs, with the JavaScript and fonts its web pages load.
+  rm -rf "$prom_dir"
+  debian_download bookworm "$prom_dir" prometheus fonts-glyphicons-halflings libjs-bootstrap4 libjs-d3 \
+    libjs-eonasdan-bootstrap-datetimepicker libjs-jquery libjs-jquery-hotkeys libjs-moment libjs-moment-timezone \
+    libjs-mustache libjs-popper.js libjs-rickshaw > "$work/prometheus.log" 2>&1 \
+    || { tail -3 "$work/prometheus.log" >&2; die "could not download Debian's prometheus package (its log: $work/prometheus.log)"; }
+  for deb in "$prom_dir"/*.deb; do dpkg -x "$deb" "$prom_dir"; done
+  # The pages load moment-timezone's one bundled file; its source data is 200 MB the image does without.
+  rm -rf "$prom_dir/usr/share/javascript/moment-timezone/data"
 fi
 prom_version=$(basename "$prom_dir"/prometheus_*.deb | cut -d_ -f2 | cut -d+ -f1)
 REDIS=grpo-offline/redis:$redis_version
@@ -115,28 +122,31 @@ BASE_IMAGE=$BASE PROMETHEUS_DIR=$(cd "$prom_dir" && pwd) DOCKERFILES=$(pwd)/dock
 say "built $REDIS and $PROMETHEUS"
 
 # --- the wheelhouse ----------------------------------------------------------------------------------------------
-PYTHON=${PYTHON:-python3.11}
-command -v "$PYTHON" >/dev/null || die "--offline makes the wheelhouse with Python 3.11, the images' Python: set PYTHON=/path/to/python3.11"
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || die "$PYTHON is not Python 3.11, the images' Python"
+# Wheels for the images' Python (bookworm's CPython 3.11, glibc 2.36) whatever Python and libc this machine has:
+# pip asks for those tags, and for wheels only (nothing is built against this machine's libraries).
+command -v python3 >/dev/null || die "--offline makes the wheelhouse with pip: no python3 here"
 extras=$(sed -n 's/^ARG EXTRAS="\(.*\)"$/\1/p' docker/Dockerfile)
 wheels=docker/wheels
 want=$(cat pyproject.toml docker/constraints.txt docker/requirements.py | sha256sum | cut -d' ' -f1)-$extras
 if [ "$(cat "$wheels/.made-for" 2>/dev/null)" != "$want" ]; then
-  "$PYTHON" docker/requirements.py requirements pyproject.toml $extras > "$work/requirements.txt"
+  python3 docker/requirements.py requirements pyproject.toml $extras > "$work/requirements.txt"
   index=()
   torch_index=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
-  if "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$torch_index/" 2>/dev/null; then
+  if python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$torch_index/" 2>/dev/null; then
     index=(--extra-index-url "$torch_index")
   else
     say "PyTorch's CPU index ($torch_index) does not answer: torch comes from pip's own index and links"
   fi
+  platforms=(--platform linux_x86_64 --platform manylinux1_x86_64 --platform manylinux2010_x86_64 --platform manylinux2014_x86_64)
+  for minor in $(seq 5 36); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
   find "$wheels" -name '*.whl' -delete
   say "making the wheelhouse in $wheels"
-  # async-timeout by name: redis-py needs it on the images' Python 3.11.2, and pip leaves it out on a newer host;
-  # setuptools: what the project's own install builds with.
-  "$PYTHON" -m pip wheel --quiet --disable-pip-version-check "${index[@]}" --wheel-dir "$wheels" \
-    -r "$work/requirements.txt" -c docker/constraints.txt async-timeout setuptools > "$work/pip-wheel.log" 2>&1 \
-    || { grep -v '^WARNING' "$work/pip-wheel.log" | tail -5 >&2; die "pip could not make the wheelhouse (its log: $work/pip-wheel.log)"; }
+  # async-timeout by name: redis-py needs it on Python < 3.11.3 (bookworm's is 3.11.2), which pip's markers,
+  # read for this machine's Python, may leave out; setuptools: what the project's own install builds with.
+  python3 -m pip download --quiet --disable-pip-version-check "${index[@]}" --dest "$wheels" --only-binary=:all: \
+    --python-version 3.11 --implementation cp --abi cp311 "${platforms[@]}" \
+    -r "$work/requirements.txt" -c docker/constraints.txt async-timeout setuptools > "$work/pip-download.log" 2>&1 \
+    || { grep -v '^WARNING' "$work/pip-download.log" | tail -5 >&2; die "pip could not make the wheelhouse (its log: $work/pip-download.log)"; }
   echo "$want" > "$wheels/.made-for"
 fi
 

@@ -13,7 +13,7 @@
 # Needs root and a kernel with cgroups. Exits 2 saying why in one line where no engine can be had.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-source scripts/lib/debian-mirror.sh
+source scripts/lib/debian.sh
 
 say() { echo "docker-engine: $*" >&2; }
 started=""  # the PID of an engine this script started: stopped again if the script fails after starting it
@@ -33,10 +33,22 @@ install_engine() {
     > "$work/apt.log" 2>&1 || { tail -3 "$work/apt.log" >&2; die "could not install docker.io (its log: $work/apt.log)"; }
 }
 
+wait_for_engine() {
+  local _
+  for _ in $(seq $(($1 * 2))); do
+    docker info >/dev/null 2>&1 && return 0
+    sleep 0.5
+  done
+  return 1
+}
+
 start_engine() {
-  # In the background, in a session of its own (it outlives this script), its PID for whoever stops it.
+  # In the background, in a session of its own (it outlives this script), its PID for whoever stops it: printed
+  # when it answers, and written at once to $GRPO_DOCKERD_PIDFILE when set (so that a caller who stops waiting for
+  # this script still knows what to stop).
   setsid dockerd > "$work/dockerd.log" 2>&1 < /dev/null &
   local pid=$!
+  [ -z "${GRPO_DOCKERD_PIDFILE:-}" ] || echo "$pid" > "$GRPO_DOCKERD_PIDFILE"
   for _ in $(seq 120); do
     if docker info >/dev/null 2>&1; then
       echo "started $pid"
@@ -50,20 +62,15 @@ start_engine() {
 }
 
 install_compose() {
-  # An apt state of its own, by absolute paths (apt reads relative ones under /etc/apt).
-  local apt keyring=/usr/share/keyrings/debian-archive-keyring.gpg
-  apt="$(pwd)/$work/trixie"
-  mkdir -p "$apt/lists/partial" "$apt/cache/archives/partial" "$apt/sources.list.d"
-  echo "deb [signed-by=$keyring] $(debian_mirror) trixie main" > "$apt/sources.list"
-  local opts=(-o "Dir::Etc::sourcelist=$apt/sources.list" -o "Dir::Etc::sourceparts=$apt/sources.list.d"
-              -o "Dir::State::Lists=$apt/lists" -o "Dir::Cache=$apt/cache")
+  local debs="$work/compose"
   say "installing Compose v2 from Debian trixie's docker-compose package"
-  { apt-get -q "${opts[@]}" update && (cd "$apt" && apt-get "${opts[@]}" download docker-compose); } > "$work/compose.log" 2>&1 \
+  rm -rf "$debs"
+  debian_download trixie "$debs" docker-compose > "$work/compose.log" 2>&1 \
     || { tail -3 "$work/compose.log" >&2; die "could not download trixie's docker-compose (its log: $work/compose.log)"; }
-  rm -rf "$apt/x" && dpkg -x "$apt"/docker-compose_*.deb "$apt/x"
+  dpkg -x "$debs"/docker-compose_*.deb "$debs/x"
   mkdir -p /usr/local/lib/docker/cli-plugins
   # A copy, not a link: some Docker clients ignore a plugin that is a symbolic link.
-  cp "$apt/x/usr/libexec/docker/cli-plugins/docker-compose" /usr/local/lib/docker/cli-plugins/docker-compose
+  cp "$debs/x/usr/libexec/docker/cli-plugins/docker-compose" /usr/local/lib/docker/cli-plugins/docker-compose
 }
 
 if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
@@ -72,8 +79,14 @@ else
   [ "$(id -u)" = 0 ] || die "no Docker engine answers, and starting one needs root"
   [ -d /sys/fs/cgroup ] && [ -n "$(ls /sys/fs/cgroup)" ] || die "no cgroups on this kernel: a Docker engine cannot run"
   command -v dockerd >/dev/null || install_engine
-  state=$(start_engine)
-  started=${state#started }
+  # Where systemd runs, docker.io's service is (or was just) started by it: that engine is the machine's, not this
+  # script's to start or stop.
+  if [ -d /run/systemd/system ] && wait_for_engine 10; then
+    state=running
+  else
+    state=$(start_engine)
+    started=${state#started }
+  fi
 fi
 if ! docker compose version >/dev/null 2>&1; then
   [ "$(id -u)" = 0 ] || die "no Docker Compose v2 (\`docker compose\`), and installing it needs root"

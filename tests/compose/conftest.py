@@ -24,8 +24,37 @@ def could_run_an_engine() -> bool:
     return os.geteuid() == 0 and cgroups.is_dir() and any(cgroups.iterdir())
 
 
-def _stop(pid: int, grace_s: float = 60) -> None:
-    """Stop the engine this session started (SIGTERM: it stops its containerd too), by its PID."""
+def skip_or_fail(what: str, done: subprocess.CompletedProcess) -> None:
+    """A set-up script that could not do its part: a failure under CI on a machine that could have done it, else a
+    skip naming the script's last line."""
+    reason = (done.stderr.strip().splitlines() or [f"{what} failed"])[-1]
+    if os.environ.get("CI") == "true" and could_run_an_engine():
+        pytest.fail(
+            f"this machine can run a Docker engine but {what} failed: {done.stdout[-2000:]}{done.stderr[-3000:]}"
+        )
+    pytest.skip(f"{what}: {reason}")
+
+
+def run_script(args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """A set-up script in a process group of its own: on a time-out the whole group is stopped (debootstrap, pip,
+    a build), not the script alone."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def stop_pid(pid: int, grace_s: float = 60) -> None:
+    """Stop the engine this module started (SIGTERM: it stops its containerd too), by its PID."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -38,17 +67,14 @@ def _stop(pid: int, grace_s: float = 60) -> None:
 
 
 @pytest.fixture(scope="module")  # stopped as soon as the module's tests end
-def docker_engine() -> Iterator[None]:
-    done = subprocess.run([str(REPO / "scripts" / "docker-engine.sh")], capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        reason = (done.stderr.strip().splitlines() or ["scripts/docker-engine.sh failed"])[-1]
-        if os.environ.get("CI") == "true" and could_run_an_engine():
-            pytest.fail(f"this machine can run a Docker engine but none could be had: {done.stderr.strip()}")
-        pytest.skip(f"no Docker engine: {reason}")
-    state = done.stdout.strip().splitlines()[-1]
-    started = int(state.split()[1]) if state.startswith("started ") else None
+def docker_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    # The script writes the PID of an engine it starts here at once: whatever becomes of the script, it is stopped.
+    pidfile = tmp_path_factory.mktemp("docker-engine") / "dockerd.pid"
     try:
+        done = run_script([str(REPO / "scripts" / "docker-engine.sh")], 900, {"GRPO_DOCKERD_PIDFILE": str(pidfile)})
+        if done.returncode != 0:
+            skip_or_fail("scripts/docker-engine.sh", done)
         yield
     finally:
-        if started is not None:
-            _stop(started)
+        if pidfile.is_file():
+            stop_pid(int(pidfile.read_text()))

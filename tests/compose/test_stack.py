@@ -13,6 +13,7 @@ never touched.
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import subprocess
@@ -26,6 +27,7 @@ import yaml
 
 from common.net import free_port
 from common.procs import wait_until
+from tests.compose.conftest import run_script, skip_or_fail
 
 pytestmark = [pytest.mark.compose, pytest.mark.e2e, pytest.mark.slow]
 
@@ -66,10 +68,13 @@ class Stack:
         self.override = tmp / "short-run.yml"
         self.override.write_text(SHORT_RUN)
 
-    def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    def compose(
+        self, *args: str, timeout: float = 300, check: bool = True, gpu: bool = False
+    ) -> subprocess.CompletedProcess:
+        files = [REPO / "docker-compose.yml", REPO / ("docker-compose.gpu.yml" if gpu else self.override)]
         cmd = ["docker", "compose", "--env-file", str(self.env_file), "-p", self.project,
-               "-f", str(REPO / "docker-compose.yml"), "-f", str(self.override), *args]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+               *(a for f in files for a in ("-f", str(f))), *args]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=compose_env())
         if check:
             assert done.returncode == 0, f"{' '.join(args)}: {done.stdout}{done.stderr}"
         return done
@@ -86,8 +91,12 @@ class Stack:
         return [r for row in rows for r in (row if isinstance(row, list) else [row])]
 
     def prometheus(self, path: str) -> dict:
+        """A query's data; empty while Prometheus does not answer yet (the checks wait for what they need)."""
         url = f"http://127.0.0.1:{self.prometheus_port}{path}"
-        reply = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        try:
+            reply = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        except OSError:
+            return {}
         assert reply["status"] == "success", reply
         return dict(reply["data"])
 
@@ -104,12 +113,20 @@ class Stack:
         return found
 
 
+def compose_env() -> dict[str, str]:
+    """This process's environment without what would win over the stack's env file: compose's own settings
+    (COMPOSE_FILE, COMPOSE_PROFILES, ...) and any variable .env.example names, which a shell may have exported."""
+    named = set(re.findall(r"^#? ?([A-Z][A-Z0-9_]+)=", (REPO / ".env.example").read_text(), re.M))
+    return {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_") and k not in named}
+
+
 @pytest.fixture(scope="module")
 def stack(docker_engine: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Stack(tmp_path_factory.mktemp("compose"))
     t0 = time.perf_counter()
-    built = subprocess.run([str(REPO / "scripts" / "build-images.sh"), "--offline", "--env-file", str(s.env_file)],
-                           capture_output=True, text=True, timeout=1800, cwd=REPO)  # fmt: skip
+    built = run_script([str(REPO / "scripts" / "build-images.sh"), "--offline", "--env-file", str(s.env_file)], 1800)
+    if built.returncode == 2:  # what an offline build needs is not here (its one line says what)
+        skip_or_fail("scripts/build-images.sh --offline", built)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     s.timed("build offline", t0)
     try:
@@ -130,6 +147,28 @@ def rule_count() -> int:
 
 
 @pytest.mark.timeout(3000)
+def test_the_gpu_override_merges_as_the_deploy_tests_assume(stack: Stack) -> None:
+    """tests/unit/test_deploy.py reads the GPU deployment by merging the two files itself; here docker compose
+    merges them, and the parts those tests pin come out the same (no GPU is needed to read a config)."""
+    from tests.unit.test_deploy import gpu_compose
+
+    real = json.loads(stack.compose("config", "--format", "json", gpu=True).stdout)["services"]
+    assumed = gpu_compose()["services"]
+    for role in ("learner", "actor"):
+        (device,) = real[role]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and int(device["count"]) == 1
+        default = "${GRPO_CONFIG:-configs/compose-gpu.yaml}"
+        assert real[role]["command"] == [
+            a.replace(default, "configs/compose-gpu.yaml") for a in assumed[role]["command"]
+        ]
+        assert real[role]["healthcheck"]["test"] == assumed[role]["healthcheck"]["test"]  # kept, not replaced
+    assert real["actor"]["ipc"] == "host" and real["actor"]["build"]["dockerfile"].endswith("docker/actor.Dockerfile")
+    assert real["actor"]["image"].startswith("grpo-pipeline-actor:")
+    assert real["learner"]["build"]["args"]["TORCH_IMAGE"].startswith("pytorch/pytorch:")
+    assert real["learner"]["build"]["args"]["PIP_OFFLINE"] == ""  # the env file says 1: the GPU build ignores it
+    assert set(real["learner"]["build"]["args"]) == set(assumed["learner"]["build"]["args"])
+
+
 def test_the_cpu_stack_trains_scales_is_scraped_resumes_and_leaves_nothing(stack: Stack) -> None:
     images = stack.compose("config", "--images").stdout.split()
     missing = [i for i in images if subprocess.run(["docker", "image", "inspect", i], capture_output=True).returncode]
@@ -143,18 +182,22 @@ def test_the_cpu_stack_trains_scales_is_scraped_resumes_and_leaves_nothing(stack
 
     # Prometheus finds the learner and both actors through Docker's DNS, and loads the alert rules.
     def targets_up() -> list[tuple[str, str]]:
-        active = stack.prometheus("/api/v1/targets")["activeTargets"]
+        active = stack.prometheus("/api/v1/targets").get("activeTargets", [])
         return sorted((t["labels"]["job"], t["health"]) for t in active)
 
     want = [("grpo-actor", "up"), ("grpo-actor", "up"), ("grpo-learner", "up")]
     assert wait_until(lambda: targets_up() == want, 120, 2), targets_up()
-    rules = [r for g in stack.prometheus("/api/v1/rules")["groups"] for r in g["rules"]]
-    assert len(rules) == rule_count() and all(r["health"] == "ok" for r in rules), rules
+
+    def rules() -> list[dict]:
+        return [r for g in stack.prometheus("/api/v1/rules").get("groups", []) for r in g["rules"]]
+
+    # Loaded, and evaluated without error (a rule's health is "unknown" until its first evaluation).
+    assert wait_until(lambda: len(rules()) == rule_count() and {r["health"] for r in rules()} == {"ok"}, 60, 2), rules()
 
     # Both actors produce groups: Prometheus has a positive count from each replica.
     def producing() -> list[float]:
         series = stack.prometheus("/api/v1/query?query=sum%20by%20(instance)%20(grpo_actor_groups_produced_total)")
-        return [float(s["value"][1]) for s in series["result"]]
+        return [float(s["value"][1]) for s in series.get("result", [])]
 
     assert wait_until(lambda: len(producing()) == 2 and min(producing()) > 0, 90, 2), producing()
     stack.timed("scraped", t0)

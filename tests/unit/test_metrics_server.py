@@ -58,6 +58,19 @@ def test_metrics_and_health_over_http() -> None:
         server.close()
 
 
+def test_the_start_line_says_where_it_listens() -> None:
+    # Bound to every address (a container's, for Prometheus), the log says so; endpoints.json keeps a URL to use here.
+    for host, listening in (("127.0.0.1", "http://127.0.0.1:{port}/metrics"),
+                            ("0.0.0.0", "http://0.0.0.0:{port}/metrics (every address)")):  # fmt: skip
+        server = MetricsServer(CollectorRegistry(), host, 0)
+        try:
+            port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+            assert server.listening == listening.format(port=port)
+            assert server.url == f"http://127.0.0.1:{port}/metrics"
+        finally:
+            server.close()
+
+
 def test_two_roles_in_one_process_do_not_collide() -> None:
     LearnerMetrics(CollectorRegistry())
     LearnerMetrics(CollectorRegistry())
