@@ -1,6 +1,7 @@
 """The GSM8K recipe (configs/gsm8k-qwen2.5-0.5b.yaml) end to end on this machine: the real `grpo run` and
 `grpo eval` with the recipe's task, grader, loss and mixed precision, on GSM8K read from a local directory; only the
-model (the tiny demo model for Qwen2.5-0.5B-Instruct), the device and the sizes are overridden."""
+model (the tiny demo model for Qwen2.5-0.5B-Instruct), the device (the CPU, with the local engine instead of the
+recipe's SGLang servers sized for GPUs) and the sizes are overridden."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_the_gsm8k_recipe_runs_on_cpu_with_the_tiny_model(shared_dir: Path, tmp_
         pytest.skip(f"{gsm8k} is absent")
     run_dir = tmp_path / "run"
     here = [
-        "-o", "model.device=cpu", "-o", f"task.path={gsm8k}", "-o", "task.subset=",
+        "-o", "model.device=cpu", "-o", "actor.engine=local", "-o", f"task.path={gsm8k}", "-o", "task.subset=",
         # The tiny model has 128 positions: the question's first 40 characters, and short answers.
         "-o", "task.prompt_template={question:.40} ####", "-o", "sampling.max_new_tokens=16",
         "-o", "task.eval_size=4", "-o", f"run.dir={run_dir}", "-o", "weights.dir=", "-o", "metrics.host=127.0.0.1",
