@@ -24,6 +24,7 @@ die() {
 }
 work=build/docker-engine
 mkdir -p "$work"
+PATH="$PATH:/usr/sbin:/sbin"  # where Debian puts dockerd, which a user's PATH may lack
 
 install_engine() {
   command -v apt-get >/dev/null || die "no dockerd, and no apt-get to install Debian's docker.io with"
