@@ -33,7 +33,8 @@ def eta_s(rows: list[dict[str, Any]], steps: int) -> float | None:
     return max(0, steps - last["step"]) * per_step
 
 
-def _fmt(v: Any, spec: str) -> str:
+def fmt(v: Any, spec: str = ".3f") -> str:
+    """A figure as ``spec`` formats it; ``-`` for one not known yet (None)."""
     return "-" if v is None else format(v, spec)
 
 
@@ -42,7 +43,7 @@ def step_line(row: dict[str, Any], steps: int, accuracy: float | None, elapsed: 
     1:23``, from a trained step's row (metrics.jsonl), the newest held-out accuracy (None before the first
     evaluation), the seconds since the start and the ETA."""
     return (
-        f"step {row['step']:>4}/{steps}  reward {row['reward']:.3f}  accuracy {_fmt(accuracy, '.2f')}  "
+        f"step {row['step']:>4}/{steps}  reward {row['reward']:.3f}  accuracy {fmt(accuracy, '.2f')}  "
         f"zero-std {row['frac_reward_zero_std']:.2f}  staleness {row['staleness/mean']:.2f}  "
         f"{row['groups_per_s']:.1f} groups/s  elapsed {clock(elapsed)}  eta {clock(eta)}"
     )

@@ -16,13 +16,9 @@ from rich.live import Live
 from rich.table import Table
 
 from common.config import Config
-from common.pace import clock, eta_s, step_line
+from common.pace import clock, eta_s, fmt, step_line
 
 _PLAIN_EVERY_S = 5.0
-
-
-def _fmt(v: Any, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
 
 
 @dataclass(frozen=True)
@@ -170,7 +166,7 @@ class Progress:
             t.add_row(
                 f"{r['step']}/{self.cfg.run.steps}",
                 f"{r['reward']:.3f}",
-                _fmt(self.accuracy, ".2f"),
+                fmt(self.accuracy, ".2f"),
                 f"{r['frac_reward_zero_std']:.2f}",
                 f"{r['staleness/mean']:.2f}",
                 f"{r['groups_per_s']:.1f}",
@@ -187,13 +183,13 @@ class Progress:
         t.add_column("value", justify="right")
         t.add_row("steps", str(s["steps"]))
         t.add_row("wall time", f"{s['wall_s']:.1f} s")
-        t.add_row("reward, first 10 steps", _fmt(s["reward_first10"]))
-        t.add_row("reward, last 10 steps", _fmt(s["reward_last10"]))
-        t.add_row("eval accuracy, step 0", _fmt(s["eval_accuracy_first"], ".2f"))
-        t.add_row("eval accuracy, final", _fmt(s["eval_accuracy_final"], ".2f"))
-        t.add_row("zero-std fraction, last 10", _fmt(s["frac_reward_zero_std_last10"], ".2f"))
-        t.add_row("staleness mean / max", f"{_fmt(s['staleness_mean'], '.2f')} / {_fmt(s['staleness_max'], '.0f')}")
-        t.add_row("groups/s", _fmt(s["groups_per_s"], ".1f"))
+        t.add_row("reward, first 10 steps", fmt(s["reward_first10"]))
+        t.add_row("reward, last 10 steps", fmt(s["reward_last10"]))
+        t.add_row("eval accuracy, step 0", fmt(s["eval_accuracy_first"], ".2f"))
+        t.add_row("eval accuracy, final", fmt(s["eval_accuracy_final"], ".2f"))
+        t.add_row("zero-std fraction, last 10", fmt(s["frac_reward_zero_std_last10"], ".2f"))
+        t.add_row("staleness mean / max", f"{fmt(s['staleness_mean'], '.2f')} / {fmt(s['staleness_max'], '.0f')}")
+        t.add_row("groups/s", fmt(s["groups_per_s"], ".1f"))
         filtered = sum(s["groups_filtered"].values())
         t.add_row("groups filtered by actors", str(filtered))
         self.console.print(t)

@@ -68,17 +68,16 @@ if [ $rebuild_base = 1 ] || ! docker image inspect "$BASE" >/dev/null 2>&1; then
   if ! command -v debootstrap >/dev/null; then
     command -v apt-get >/dev/null || die "--offline needs debootstrap, and there is no apt-get to install it with"
     say "installing debootstrap (Debian's package)"
-    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends debootstrap \
-      || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends debootstrap; }; } \
-      > "$work/apt.log" 2>&1 || die "could not install debootstrap (its log: $work/apt.log)"
+    apt_install debootstrap "$work/apt.log" || die "could not install debootstrap (its log: $work/apt.log)"
   fi
   keyring=()
   [ ! -f /usr/share/keyrings/debian-archive-keyring.gpg ] || keyring=(--keyring /usr/share/keyrings/debian-archive-keyring.gpg)
   rootfs="$work/rootfs"
   rm -rf "$rootfs"
-  say "debootstrap bookworm from $(debian_mirror) (about a minute)"
+  mirror=$(debian_mirror)
+  say "debootstrap bookworm from $mirror (about a minute)"
   debootstrap --variant=minbase "${keyring[@]}" --include=python3,python3-venv,ca-certificates,redis-server,wget \
-    bookworm "$rootfs" "$(debian_mirror)" > "$work/debootstrap.log" 2>&1 \
+    bookworm "$rootfs" "$mirror" > "$work/debootstrap.log" 2>&1 \
     || { tail -3 "$work/debootstrap.log" >&2; die "debootstrap failed (its log: $work/debootstrap.log)"; }
   # What an image does not need: the package lists and downloaded packages, documentation.
   rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/cache/apt/*.bin "$rootfs"/var/lib/apt/lists/* \

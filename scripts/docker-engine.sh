@@ -29,9 +29,8 @@ PATH="$PATH:/usr/sbin:/sbin"  # where Debian puts dockerd, which a user's PATH m
 install_engine() {
   command -v apt-get >/dev/null || die "no dockerd, and no apt-get to install Debian's docker.io with"
   say "installing Debian's docker.io"
-  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker.io \
-    || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker.io; }; } \
-    > "$work/apt.log" 2>&1 || { tail -3 "$work/apt.log" >&2; die "could not install docker.io (its log: $work/apt.log)"; }
+  apt_install docker.io "$work/apt.log" \
+    || { tail -3 "$work/apt.log" >&2; die "could not install docker.io (its log: $work/apt.log)"; }
 }
 
 wait_for_engine() {

@@ -1,5 +1,13 @@
 # Sourced by scripts/build-images.sh and scripts/docker-engine.sh: Debian's archive, as this machine reaches it.
-# Needs python3 (the mirror check) and apt-get (the downloads); the system's apt state is never touched.
+# Needs python3 (the mirror check) and apt-get; only apt_install changes the system (it installs a package).
+
+# apt_install PACKAGE LOG: install a package of this machine's own distribution (its package lists refreshed only
+# when the install fails without), apt's output in LOG.
+apt_install() {
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$1" \
+    || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$1"; }; } \
+    > "$2" 2>&1
+}
 
 # debian_mirror: DEBIAN_MIRROR when set; else the first archive of this machine's apt sources (deb822 .sources
 # first, then one-line .list files) that serves Debian bookworm (its Release file says Origin: Debian; Docker's

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from common.procs import wait_until
+from tests.conftest import pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,10 +61,7 @@ def stop_pid(pid: int, grace_s: float = 60) -> None:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-        time.sleep(0.2)
-    if Path(f"/proc/{pid}").exists():
+    if not wait_until(lambda: not pid_alive(pid), grace_s, 0.2):
         os.kill(pid, signal.SIGKILL)
 
 

@@ -29,7 +29,8 @@ from common.net import free_port
 from common.procs import wait_until
 from tests.compose.conftest import run_script, skip_or_fail
 
-pytestmark = [pytest.mark.compose, pytest.mark.e2e, pytest.mark.slow]
+# The first test to run builds the images (the module's stack): minutes on a fresh machine, whichever test it is.
+pytestmark = [pytest.mark.compose, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(3000)]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 60
@@ -146,7 +147,6 @@ def rule_count() -> int:
     return sum(len(g["rules"]) for g in groups)
 
 
-@pytest.mark.timeout(3000)
 def test_the_gpu_override_merges_as_the_deploy_tests_assume(stack: Stack) -> None:
     """tests/unit/test_deploy.py reads the GPU deployment by merging the two files itself; here docker compose
     merges them, and the parts those tests pin come out the same (no GPU is needed to read a config)."""
