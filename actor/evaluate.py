@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from common.cli import role_parser
-from common.config import check_device, load_config
+from common.config import check_device, check_engine, load_config
 from common.log import setup_logging
 
 log = logging.getLogger("eval")
@@ -62,6 +62,7 @@ def main(argv: Sequence[str]) -> int:
     setup_logging("eval", cfg.run.log_level)
     if cfg.actor.engine == "local":
         check_device(cfg.model.device)
+    check_engine(cfg.actor.engine, cfg.sglang.url, cfg.sglang.device)
     report = evaluate(cfg, args.n)
     text = json.dumps(report)
     if args.out:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.cli import parse_config
-from common.config import check_device
+from common.config import check_device, check_engine
 from common.log import setup_logging
 
 
@@ -14,6 +14,7 @@ def main(argv: Sequence[str]) -> int:
     setup_logging("actor", cfg.run.log_level)
     if cfg.actor.engine == "local":  # sglang: the server's device is sglang.device; sim loads no model
         check_device(cfg.model.device)
+    check_engine(cfg.actor.engine, cfg.sglang.url, cfg.sglang.device)
     from actor.process import run_actor  # torch and transformers load only after the arguments are valid
 
     return run_actor(cfg)

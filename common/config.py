@@ -25,7 +25,7 @@ device on this machine) and :mod:`common.config_reference` (docs/configuration.m
 
 from __future__ import annotations
 
-from common.config_checks import check_device, check_model_path
+from common.config_checks import check_device, check_engine, check_model_path
 from common.config_loading import (
     ENV_KEYS,
     MOVED,
@@ -84,6 +84,7 @@ __all__ = [
     "WeightsConfig",
     "YamlLoader",
     "check_device",
+    "check_engine",
     "check_model_path",
     "key_rows",
     "load_config",

@@ -43,3 +43,19 @@ def check_device(device: str) -> None:
             raise ConfigError(f"config error: model.device: {device}: this machine has {count} CUDA device(s)")
     elif where.type != "cpu" and not getattr(getattr(torch, where.type, None), "is_available", lambda: False)():
         raise ConfigError(f"config error: model.device: {device}: this machine has no {where.type} device")
+
+
+def check_engine(engine: str, url: str, sglang_device: str) -> None:
+    """``actor.engine=sglang`` launching its server on a CPU that runs neither build of SGLang's CPU kernel is one
+    line naming the missing CPU feature, before any process starts (the server would die with Illegal instruction
+    after minutes of loading). A server given by ``sglang.url`` runs elsewhere: nothing to check here."""
+    if engine != "sglang" or url:
+        return
+    from common.hardware import cuda_device, read_cpu, sglang_cpu_build
+
+    if sglang_device == "cuda" or (sglang_device == "auto" and cuda_device()):
+        return
+    build, why = sglang_cpu_build(read_cpu())
+    if build is None:
+        raise ConfigError(f"config error: actor.engine: sglang cannot run on this CPU: {why}; use actor.engine=local, "
+                          "or sglang.url of a server on another machine")  # fmt: skip

@@ -31,7 +31,7 @@ import redis
 from pydantic import SecretStr
 
 from common.cli import EXIT_USAGE, role_parser
-from common.config import Config, ConfigError, check_device, load_config, mask_url, write_resolved
+from common.config import Config, ConfigError, check_device, check_engine, load_config, mask_url, write_resolved
 from common.log import setup_logging
 from common.metrics import gather_endpoints
 from common.model_import import prepare_model_path
@@ -404,6 +404,7 @@ def main(argv: Sequence[str]) -> int:
     cfg = load_config(args.config, args.override)
     setup_logging("run", cfg.run.log_level)
     check_device(cfg.model.device)  # the learner's, before any directory or process exists
+    check_engine(cfg.actor.engine, cfg.sglang.url, cfg.sglang.device)  # the actors' servers, likewise
     from ops.live_view import Progress  # rich loads only after the arguments are valid
 
     if cfg.metrics.port:

@@ -147,6 +147,18 @@ def test_a_device_this_machine_lacks_is_one_line_before_anything_starts(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "actor", "eval"])
+def test_sglang_on_a_cpu_that_cannot_run_it_is_one_line_before_anything_starts(command: str, tmp_path: Path) -> None:
+    """The CPU reported as one without AVX2 (common/hardware.py reads GRPO_CPU_FLAGS instead of /proc/cpuinfo):
+    SGLang's server would die with Illegal instruction after minutes; instead one line names what the CPU lacks."""
+    args = ["-o", "actor.engine=sglang", "-o", "sglang.device=cpu", "-o", f"run.dir={tmp_path / 'run'}"]
+    args += ["-o", "redis.url=redis://127.0.0.1:1/0", "-o", "redis.retries=0"] if command == "actor" else []
+    line = one_line(grpo(command, *args, cwd=tmp_path, env={"GRPO_CPU_FLAGS": "sse2 sse4_2 avx"}))
+    assert line.startswith(f"grpo {command}: config error: actor.engine: sglang cannot run on this CPU: "), line
+    assert "avx2" in line and "actor.engine=local" in line, line
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("command", ["run", "learner", "actor"])
 def test_a_hub_model_that_cannot_be_fetched_is_one_line(command: str, tmp_path: Path) -> None:
     args = ["-o", "model.path=no-such-org/no-such-model", "-o", f"run.dir={tmp_path / 'run'}"]

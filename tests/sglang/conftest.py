@@ -20,16 +20,33 @@ def _kernel_dir() -> Path | None:
     return path if path is not None and path.is_dir() else None
 
 
+def _set_up() -> bool:
+    """scripts/sglang_env.sh finished: it stamps the venv last, so a venv it began and could not finish has none."""
+    return any(PROJECT_VENV.parent.parent.glob(".grpo-sglang-*"))
+
+
 @pytest.fixture(scope="session")
 def sglang_python() -> str:
-    if PROJECT_VENV.is_file():
+    """The server's interpreter. Skips, saying why, where no SGLang can run here (no GPU, and a CPU that runs neither
+    kernel build, or no kernel to install); fails where it could run and its set-up is missing or broke, so that a
+    set-up that broke on a machine able to run it is not hidden as a skip."""
+    from common.hardware import cuda_device, read_cpu, sglang_cpu_build
+
+    if PROJECT_VENV.is_file() and _set_up():
         return str(PROJECT_VENV)
-    if _kernel_dir() is None:
-        pytest.skip(
-            "no SGLang environment: on a machine without a GPU it needs SGLang's CPU kernel (GRPO_SHARED_DIR with "
-            "sglang-cpu/), which is not here"
-        )
-    pytest.fail(f"SGLang's CPU kernel is in {_kernel_dir()} but {PROJECT_VENV} is missing: run scripts/sglang_env.sh")
+    if not cuda_device():
+        cpu = read_cpu()
+        build, why = sglang_cpu_build(cpu)
+        if build is None:
+            pytest.skip(f"no SGLang on this machine: no GPU, and {why}")
+        if _kernel_dir() is None:
+            pytest.skip(
+                f"no SGLang environment: on a machine without a GPU it needs SGLang's CPU kernel ({build} build for "
+                f"{cpu.model}; GRPO_SHARED_DIR with sglang-cpu/), which is not here"
+            )
+    state = "did not finish (no stamp)" if PROJECT_VENV.is_file() else "is missing"
+    pytest.fail(f"SGLang can run on this machine but {PROJECT_VENV.parent.parent} {state}: run scripts/sglang_env.sh, "
+                "which says what failed")  # fmt: skip
 
 
 def server_config(model: Path, run_dir: Path, python: str, *overrides: str) -> Config:
