@@ -21,6 +21,7 @@ import torch
 from actor.engine_protocol import Engine
 from common.config import Config
 from common.generation import Sample, generate, pad_token_id, stop_token_ids
+from common.hardware import describe_device, resolve_bf16
 from common.models import load_pretrained
 from common.nccl_weights import Round, abort_group, close_group, open_group, unflatten, wait_for
 from common.schemas import WeightsAnnouncement
@@ -39,19 +40,26 @@ class LocalEngine:
         self.pad_id = pad_token_id(self.tokenizer, self.stop_ids)
         self.version = 0
         self._group: tuple[str, Any] | None = None
+        self.device = next(self.model.parameters()).device
+        self.bf16 = resolve_bf16(cfg.actor.autocast, self.device.type)
+        if cfg.actor.autocast == "auto":
+            log.info("actor.autocast auto: %s on %s", "bfloat16" if self.bf16 else "off (float32 compute)",
+                     describe_device(self.device.type))  # fmt: skip
         torch.manual_seed(seed)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
         s = self.cfg.sampling
-        return generate(
-            self.model,
-            prompts,
-            n=n,
-            max_new_tokens=s.max_new_tokens,
-            stop_ids=self.stop_ids,
-            pad_id=self.pad_id,
-            temperature=None if greedy else s.temperature,
-        )
+        # actor.autocast: the forward passes in bfloat16 where it is native; the log-probs come out in float32.
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            return generate(
+                self.model,
+                prompts,
+                n=n,
+                max_new_tokens=s.max_new_tokens,
+                stop_ids=self.stop_ids,
+                pad_id=self.pad_id,
+                temperature=None if greedy else s.temperature,
+            )
 
     def load(self, ann: WeightsAnnouncement) -> int:
         """All or nothing: a version that is unreadable, outside ``weights.dir`` or does not fit the model raises

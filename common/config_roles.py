@@ -47,6 +47,12 @@ class ActorConfig(Section):
         "grace period)",
     )
     torch_threads: int = Field(1, ge=1, description="torch CPU threads of each actor process")
+    autocast: Literal["off", "bfloat16", "auto"] = Field(
+        "off",
+        description="the local engine's forward passes in bfloat16 (weights stay in model.dtype); auto: bfloat16 "
+        "where the device computes it natively (a GPU; a CPU with AMX or AVX512-BF16), off elsewhere; the actor's "
+        "log says which it took. SGLang's CPU kernels compute in bfloat16 whatever this says",
+    )
 
 
 # SGLang's CPU backend as it runs with its CPU kernel: its default attention backend (intel_amx) needs a newer kernel
@@ -81,6 +87,12 @@ class SGLangConfig(Section):
     )
     launch_args: list[str] = Field(
         default_factory=list, description="extra launch arguments, e.g. [--mem-fraction-static, '0.8']"
+    )
+    cpu_preload: bool = Field(
+        True,
+        description="on the CPU, LD_PRELOAD what SGLang's CPU recipe runs with, where installed: Intel's OpenMP "
+        "(libiomp5 of the server's venv, pip's intel-openmp) and the tcmalloc and TBB allocators (Debian's "
+        "libtcmalloc-minimal4, libtbbmalloc2); scripts/sglang_env.sh installs them",
     )
     requests: Literal["n", "separate"] = Field(
         "n",
@@ -171,11 +183,14 @@ class LearnerConfig(Section):
         description="pad each training step to at least this many seconds: a learner step of controlled time, "
         "for benchmarks (B1 overlap); 0 = off",
     )
-    autocast: Literal["off", "bfloat16"] = Field(
+    autocast: Literal["off", "bfloat16", "auto"] = Field(
         "off",
         description="bfloat16: the learner's forward passes (training, scoring, evaluation) in bfloat16 while its "
         "parameters and optimizer state stay in model.dtype; with model.dtype float32 this is mixed precision, and "
-        "updates far smaller than the weights (lr 1e-6) are kept instead of rounded away",
+        "updates far smaller than the weights (lr 1e-6) are kept instead of rounded away; auto: bfloat16 where the "
+        "device computes it natively (a GPU; a CPU with AMX or AVX512-BF16), off elsewhere (an AVX2-only CPU "
+        "emulates bfloat16: a SmolLM2 step took 15x float32's time on an AVX2-only AMD EPYC); the learner's log "
+        "says which it took",
     )
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ Departures from the textbook, each a config choice (the loss itself is learner.l
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 
 from common.advantages import group_advantages, overlong_penalty
 from common.config import Config
+from common.hardware import describe_device, resolve_bf16
 from common.logprobs import gather_tokens, scaled_log_softmax
 from common.schemas import GroupMessage
 from learner.batch import Batch, assemble, sampled_reward_stats
@@ -36,6 +38,8 @@ from learner.distributed import Ranks
 from learner.loss import grpo_loss, importance_weights, micro_batch_weight
 from learner.schedule import lr_factor
 from learner.tally import PolicyStats, UpdateTally
+
+log = logging.getLogger(__name__)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -68,12 +72,16 @@ class Trainer:
         # Proximal log-probs from the training forward when a batch gets one update (see the module docstring);
         # False forces the separate scoring pass (the tests compare the two).
         self.fuse_proximal = lc.old_logprobs == "proximal" and lc.updates_per_batch == 1
+        self.bf16 = resolve_bf16(lc.autocast, self.device.type)
+        if lc.autocast == "auto":
+            log.info("learner.autocast auto: %s on %s", "bfloat16" if self.bf16 else "off (float32 compute)",
+                     describe_device(self.device.type))  # fmt: skip
 
     def autocast(self) -> Any:
         """Forward passes in bfloat16 under ``learner.autocast`` while parameters and AdamW's state keep
         ``model.dtype``: with float32 parameters, updates far smaller than the weights (lr 1e-6) are not rounded
         away as they are in bfloat16 parameters. Log-softmax and the loss are computed in float32 either way."""
-        if self.cfg.learner.autocast == "off":
+        if not self.bf16:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 

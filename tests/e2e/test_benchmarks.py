@@ -46,7 +46,8 @@ def test_learner_throughput_runs_the_real_trainer() -> None:
         "float32", "--steps", "2", "--groups", "4", "--group-size", "4", "--prompt-len", "16", "--completion-len",
         "32", "--peak-tflops", "1",
     )  # fmt: skip
-    assert (report["preset"], report["device"], report["dtype"]) == ("tiny", "cpu", "float32")
+    assert (report["model"], report["device"], report["dtype"]) == ("tiny", "cpu", "float32")
+    assert report["machine"]["cores"] >= 1 and report["machine"]["cpu"]
     assert report["parameters"] == TINY_PARAMETERS and report["peak_tflops"] == 1
     assert report["tokens_per_step"] == 4 * 4 * (16 + 32)
     seconds(report["step_s_median"])
