@@ -44,6 +44,23 @@ def on_cpu(device: str) -> bool:
     return not torch.cuda.is_available()
 
 
+# What SGLang's CPU recipe preloads: Intel's OpenMP runtime and two allocators (found in the server's venv and in
+# the system's library directories; each only where installed).
+PRELOADS = ("libiomp5.so", "libtcmalloc_minimal.so.4", "libtbbmalloc.so.2")
+
+
+def cpu_preloads(python: str) -> list[str]:
+    """The libraries of :data:`PRELOADS` found for the server's interpreter, in that order."""
+    venv_lib = Path(python).parent.parent / "lib"
+    found = []
+    for name in PRELOADS:
+        where = [venv_lib / name, *sorted(Path("/usr/lib").glob(f"*-linux-gnu/{name}")), Path("/usr/lib") / name]
+        hit = next((w for w in where if w.is_file()), None)
+        if hit is not None:
+            found.append(str(hit))
+    return found
+
+
 def launch_command(cfg: Config, port: int) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a server for ``cfg.model.path`` on ``port`` (pure but for the device)."""
     sc = cfg.sglang
@@ -56,6 +73,12 @@ def launch_command(cfg: Config, port: int) -> tuple[list[str], dict[str, str]]:
         # The server's OpenMP threads would spin between kernels, on cores the learner and other servers share:
         # measured on the demo with two actors on 2 cores, 3 groups/s spinning, 15 yielding.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # As many compute threads as the local engine would take (actor.torch_threads), not one per core of the
+        # machine: the learner and the other actors' servers share those cores.
+        env.setdefault("OMP_NUM_THREADS", str(cfg.actor.torch_threads))
+        preloads = cpu_preloads(cmd[0]) if sc.cpu_preload else []
+        if preloads:
+            env["LD_PRELOAD"] = ":".join([*preloads, *filter(None, [env.get("LD_PRELOAD", "")])])
     return cmd + sc.launch_args, env
 
 

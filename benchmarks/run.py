@@ -11,8 +11,8 @@ ratios, never absolute-time claims. Results go to ``benchmarks/results/<date>.js
 - B4 weights (benchmarks/weights.py): publish + load vs raw safetensors save + load; and to K actors
   (benchmarks/broadcast.py): weights.transport nccl's broadcast vs the disk path.
 - B5 scale (benchmarks/scale.py): groups/s at the learner with K actors vs K x one actor's.
-- B6 engines (benchmarks/engines.py): one actor's generation with a real SGLang server vs the local engine; with
-  ``--model DIR`` (or GRPO_BENCH_MODEL) on that pretrained model too.
+- B6 engines (benchmarks/engines.py): one actor's generation with a real SGLang server vs the local engine, on the
+  demo's workload, or a recipe's with GRPO_BENCH_CONFIG (e.g. configs/smollm2-cpu.yaml).
 - curves (benchmarks/curves.py): the demo's reward and accuracy against wall-clock, three seeds, and synchronous.
 
 PNG plots of B1, B2, B5 and the curves go beside the report (``<date>-b1.png`` ...) when matplotlib is installed
@@ -51,7 +51,7 @@ BENCHMARKS = {
     "B4": weights.run,
     "B4-broadcast": broadcast.run,
     "B5": scale.run,
-    "B6": lambda quick: engines.run(quick, [m for m in [os.environ.get("GRPO_BENCH_MODEL", "")] if m]),
+    "B6": lambda quick: engines.run(quick, [c for c in [os.environ.get("GRPO_BENCH_CONFIG", "")] if c]),
     "curves": curves.run,
 }
 PLOTS = {"B1": plots.overlap, "B2": plots.versus_trl, "B5": plots.scale, "curves": plots.curves}
@@ -86,9 +86,9 @@ def lines(name: str, result: dict) -> list[str]:
                        f"as fast as disk ({c['broadcast_s']:.2f} s vs {c['disk_s']:.2f} s; no goal)")  # fmt: skip
     elif name == "B6":
         for c in result["cases"]:
-            out.append(f"B6 engines, {c['case']}: SGLang {c['completions_per_s_ratio']:.2f} x local's completions/s "
-                       f"({c['sglang']['completions_per_s']:.0f} vs {c['local']['completions_per_s']:.0f}), "
-                       f"{c['tokens_per_s_ratio']:.2f} x its tokens/s (no goal)")  # fmt: skip
+            ratios = ", ".join(f"{k} in flight {r:.2f}" for k, r in c["completions_per_s_ratio"].items())
+            out.append(f"B6 engines, {c['case']} on {result['machine']['cpu']}: SGLang ÷ local completions/s: "
+                       f"{ratios} (no goal)")  # fmt: skip
     elif name == "curves":
         for r in result["runs"]:
             out.append(f"curves seed {r['seed']} {r['kind']}: reward {result['target_reward']} after "
