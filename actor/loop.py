@@ -18,8 +18,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from actor.engine_protocol import Engine
+from actor.engine_protocol import Engine, EngineError
 from actor.filter import Decision, ZeroStdFilter, filtered_stats
+from actor.inflight import InFlight, Round, rounds_in_flight
 from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
 from common.advantages import overlong_penalty
 from common.config import Config
@@ -96,8 +97,9 @@ class Actor:
         self.max_message_bytes = message_byte_limit(cfg)
         self.groups_sent = 0
         self.rounds = 0
-        self.version_sampled = engine.version  # the policy version of the round being sampled
+        self.version_sampled = engine.version  # the policy version of the round being graded and sent
         self.epoch_sampled: int | None = None  # and its lineage epoch, when its announcement was seen
+        self.in_flight = InFlight(actor_id, engine, rounds_in_flight(cfg, engine))
         self._epochs: dict[int, int] = {}  # version -> epoch, from the announcements this actor read
         self._prompt_ids: dict[str, list[int]] = {}
         self._malformed_seen: set[str] = set()  # reasons already said for malformed announcements
@@ -131,21 +133,18 @@ class Actor:
                 if self.engine.version < 0:  # a version arrived in part: sample nothing until a whole one is loaded
                     self._wait(lambda: self.engine.version < 0)
                     continue
-                if not self.wait_for_room():
+                rnd = self.next_round()
+                if rnd is None:
                     continue
-                problems = self.next_problems()
-                if not problems:  # every prompt of the round was too long
-                    self.stop.wait(0.1)
-                    continue
-                samples = self.sample(problems)
-                rewards = self.grade(problems, samples)
-                self.send(problems, samples, rewards)
+                self.send(rnd, self.grade(rnd.problems, rnd.samples))
                 if self.cfg.actor.synchronous:
                     self.wait_for_new_version()
+            self._send_rounds_in_flight()
             return "asked to stop"
         finally:
             self._beats_stop.set()
             beats.join()
+            self.in_flight.close()
             self._release_round()
             self._pubsub.close()
             if self.receiver is not None:
@@ -223,28 +222,53 @@ class Actor:
         # An announcement that arrived while this round was sampled (the previous version's) must not end the wait.
         self._wait(behind, until_clear=True)
 
-    def wait_for_room(self) -> bool:
+    def next_round(self) -> Round | None:
+        """Start rounds while a slot is free and there is room, then the oldest round once generated; None when the
+        loop should re-check its exit conditions first (no room, or no prompt of the round fit)."""
+        while (holder := self.in_flight.free_holder()) is not None:
+            if not (self.wait_for_room(holder) if not self.in_flight.pending else self._reserve_round(holder)):
+                break
+            problems = self.next_problems()
+            if not problems:  # every prompt of the round was too long
+                self.transport.release_round(holder)
+                self.stop.wait(0.1)
+                break
+            prompts = [self._encode_prompt(p) for p in problems]
+            self.in_flight.start(holder, problems, prompts, self.cfg.sampling.group_size)
+        if not self.in_flight.pending:
+            return None
+        return self.sampled(self.in_flight.finish_oldest(self.heartbeat))
+
+    def _send_rounds_in_flight(self) -> None:
+        """Asked to stop: the rounds already generating are finished and sent (each within
+        ``actor.stop_send_timeout_s`` of room), as the one round in hand always was."""
+        while self.in_flight.pending:
+            rnd = self.sampled(self.in_flight.finish_oldest(self.heartbeat))
+            self.send(rnd, self.grade(rnd.problems, rnd.samples))
+
+    def wait_for_room(self, holder: str) -> bool:
         """Backpressure, before sampling: reserve room for a whole round among the groups the learner can still
         train in time (:meth:`Transport.reserve_round`: within ``actor.max_stream_groups`` unread, and no more
         groups ahead of the learner, rounds other actors are sampling included, than it trains before they pass
         ``learner.max_staleness``). Without room, wait (a weights announcement wakes us early) rather than sample a
         round that would age waiting and be dropped as stale. Returns False when the loop should re-check its exit
         conditions (and load new weights) first."""
-        if self._reserve_round():
+        if self._reserve_round(holder):
             return True
-        self._wait(lambda: not self._reserve_round())
+        self._wait(lambda: not self._reserve_round(holder))
         return False
 
-    def _reserve_round(self) -> bool:
+    def _reserve_round(self, holder: str) -> bool:
         version, need = self.engine.version, self.cfg.actor.prompts_per_round
-        return self.transport.reserve_round(self.id, need, version, self.admission, self.cfg.run.heartbeat_ttl_s)
+        return self.transport.reserve_round(holder, need, version, self.admission, self.cfg.run.heartbeat_ttl_s)
 
     def _release_round(self) -> None:
         """Best effort, on the way out (Redis may be what failed): a reservation left behind ends with its lease."""
         try:
-            self.transport.release_round(self.id)
+            for holder in self.in_flight.holders():
+                self.transport.release_round(holder)
         except Exception as e:
-            log.debug("releasing the round's reservation: %s", e)
+            log.debug("releasing the rounds' reservations: %s", e)
 
     def _wait(self, blocked: Callable[[], bool], *, until_clear: bool = False, deadline: float | None = None) -> None:
         """Wait while ``blocked()``, counted as backpressure; a weights announcement ends the wait early so that the
@@ -257,6 +281,8 @@ class Actor:
             if deadline is not None and time.monotonic() >= deadline:
                 break
             self.heartbeat()  # waiting is working: the key must not expire
+            if why := getattr(self.engine, "failed", lambda: None)():  # a launched server that died meanwhile
+                raise EngineError(why)
             if self.receiver is not None and self.receiver.poll(self.heartbeat):
                 break  # new weights: the caller re-checks its conditions
             woken = self._pubsub.get_message(timeout=0.2) is not None
@@ -299,18 +325,15 @@ class Actor:
             ids = self._prompt_ids[problem.id] = self.encode(problem.prompt)
         return ids
 
-    def sample(self, problems: list[Problem]) -> list[list[Sample]]:
-        t0 = time.perf_counter()
-        groups = self.engine.generate([self._encode_prompt(p) for p in problems], self.cfg.sampling.group_size)
-        # Read after generating: weights change only between rounds, and a SGLang engine may learn from the replies
-        # that its server holds another version than it was told.
-        self.version_sampled = self.engine.version
+    def sampled(self, rnd: Round) -> Round:
+        """A generated round, counted; its version (the reply's, see actor.inflight) stamps its groups."""
+        self.version_sampled = rnd.version
         self.epoch_sampled = self._epochs.get(self.version_sampled)
-        self.metrics.generation_seconds.observe(time.perf_counter() - t0)
-        n = sum(len(g) for g in groups)
-        self.metrics.completions.inc(n)
+        self.metrics.generation_seconds.observe(time.perf_counter() - rnd.started)
+        groups = rnd.samples
+        self.metrics.completions.inc(sum(len(g) for g in groups))
         self.metrics.tokens.inc(sum(len(s.token_ids) for g in groups for s in g))
-        return groups
+        return rnd
 
     def grade(self, problems: list[Problem], groups: list[list[Sample]]) -> list[list[float]]:
         t0 = time.perf_counter()
@@ -327,11 +350,11 @@ class Actor:
         self.metrics.reward.set(float(np.mean(result.scores)))
         return [result.scores[i : i + n] for i in range(0, len(result.scores), n)]
 
-    def send(self, problems: list[Problem], groups: list[list[Sample]], rewards: list[list[float]]) -> None:
+    def send(self, rnd: Round, rewards: list[list[float]]) -> None:
         """Filter zero-std groups (DAPO) and XADD the rest in one transaction with this round's counters and the
         summary of what was filtered (for the learner's reward figures; counted in Redis, not carried by a group)."""
-        payloads, counters, filtered = self._filter_and_encode(problems, groups, rewards)
-        if self._produce(payloads, counters, filtered):
+        payloads, counters, filtered = self._filter_and_encode(rnd.problems, rnd.samples, rewards)
+        if self._produce(payloads, counters, filtered, rnd.holder):
             self._count_sent(payloads, counters)
 
     def _filter_and_encode(
@@ -359,7 +382,7 @@ class Actor:
             payloads.append(payload)
         return payloads, counters, filtered
 
-    def _produce(self, payloads: list[bytes], counters: Counter[str], filtered: FilteredStats) -> bool:
+    def _produce(self, payloads: list[bytes], counters: Counter[str], filtered: FilteredStats, holder: str) -> bool:
         """Write the round; False when it was discarded instead (the run ended, or stopping ran out of time)."""
         # The bound is checked again with the writes, atomically: many actors together never overshoot it. A round
         # that does not fit waits whole (never half a round), also when the actor is asked to stop: then for up to
@@ -367,17 +390,17 @@ class Actor:
         bound = self.cfg.actor.max_stream_groups
         deadline: float | None = None
         limit = self.max_message_bytes
-        while self.transport.produce(payloads, dict(counters), bound=bound, holder=self.id, filtered=filtered,
+        while self.transport.produce(payloads, dict(counters), bound=bound, holder=holder, filtered=filtered,
                                      max_bytes=limit) is None:  # fmt: skip
             if self.transport.is_done():  # the learner reads no more
-                self._discard(payloads, counters, filtered, "run_done")
+                self._discard(payloads, counters, filtered, "run_done", holder)
                 return False
             if self.stop.is_set() and deadline is None:
                 deadline = time.monotonic() + self.cfg.actor.stop_send_timeout_s
                 log.info("stopping: waiting up to %.0fs for room to send the round in hand (%d groups)",
                          self.cfg.actor.stop_send_timeout_s, len(payloads))  # fmt: skip
             if deadline is not None and time.monotonic() >= deadline:
-                self._discard(payloads, counters, filtered, "stopped")
+                self._discard(payloads, counters, filtered, "stopped", holder)
                 return False
             self._wait(lambda: not round_fits(self.transport.unread(), len(payloads), bound), deadline=deadline)
         return True
@@ -391,12 +414,14 @@ class Actor:
         if counters[FORWARDED]:
             self.metrics.groups_forwarded.inc(counters[FORWARDED])
 
-    def _discard(self, payloads: list[bytes], counters: Counter[str], filtered: FilteredStats, reason: str) -> None:
+    def _discard(
+        self, payloads: list[bytes], counters: Counter[str], filtered: FilteredStats, reason: str, holder: str
+    ) -> None:
         """A round that will not be sent: counted as ``groups_discarded:<reason>`` (with the round's other counters
         and what it filtered), so that the sampling it cost shows."""
         log.warning("discarding a round of %d groups: %s", len(payloads), reason.replace("_", " "))
         counters = Counter({**counters, counter("discarded", reason): len(payloads)})
-        self.transport.produce([], dict(counters), holder=self.id, filtered=filtered)
+        self.transport.produce([], dict(counters), holder=holder, filtered=filtered)
 
     def shaped(self, samples: list[Sample], rewards: list[float]) -> list[float]:
         """The rewards the learner will compute advantages from (common.advantages.overlong_penalty added), so that a
@@ -448,7 +473,8 @@ class Actor:
             self._next_heartbeat = now + ttl / 3
             info = {"version": self.engine.version, "groups_sent": self.groups_sent, "rounds": self.rounds}
             self.transport.heartbeat(self.id, ttl, info)
-            self.transport.renew_reservation(self.id, ttl)  # a round longer than the lease keeps its room
+            for holder in self.in_flight.holders():  # a round longer than the lease keeps its room
+                self.transport.renew_reservation(holder, ttl)
             if self.receiver is not None:
                 self.receiver.register()
 

@@ -254,16 +254,33 @@ class SGLangEngine:
                 raise EngineError(f"SGLang at {self.client.url} was not healthy after {timeout_s:.0f}s")
             time.sleep(1.0)
 
+    # The server batches concurrent requests (continuous batching): an actor keeps sglang.rounds_in_flight going.
+    batches_concurrent_requests = True
+
+    def failed(self) -> str | None:
+        """Why the server this engine launched is gone, or None: asked while the actor waits (for room, say), so that
+        a dead server ends the actor then, not at its next request."""
+        return self.server.gone() if self.server is not None else None
+
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
+        return self.generate_versioned(prompts, n, greedy=greedy)[0]
+
+    def generate_versioned(
+        self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False
+    ) -> tuple[list[list[Sample]], int | None]:
+        """The completions and the policy version the server generated them with (None where it reports none).
+        Safe to call from several threads at once: each call is its own HTTP request."""
         s = self.cfg.sampling
         body = generate_request(
             prompts, n, temperature=0.0 if greedy else s.temperature, max_new_tokens=s.max_new_tokens,
             stop_token_ids=self.stop_ids, mode=self.cfg.sglang.requests,
         )  # fmt: skip
         groups, served = parse_samples(self.client.request("POST", "/generate", body), len(prompts), n)
-        if served is not None and served != self.served:
+        if served is None:
+            return groups, None
+        if served != self.served:
             self._adopt_served_version(served)
-        return groups
+        return groups, int(served) if served.isdigit() else 0  # "default": the model it was started with, v0
 
     def _adopt_served_version(self, served: str) -> None:
         """/generate says the server holds another version than /model_info said: a server whose weights were loaded

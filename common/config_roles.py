@@ -55,12 +55,12 @@ class ActorConfig(Section):
     )
 
 
-# SGLang's CPU backend as it runs with its CPU kernel: its default attention backend (intel_amx) needs a newer kernel
-# than the one SGLang 0.5.23 was released with, float32 has no rmsnorm kernel and `auto` would load an fp32 checkpoint
-# as float16 (log-probs off by nats), the overlap scheduler is GPU-only, the KV cache takes a fraction of the
-# machine's memory, not of a GPU's, and an idle scheduler would otherwise poll at 100 % of a core, which the learner
-# and the other actors on the same CPUs need.
-SGLANG_CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "bfloat16",
+# SGLang's CPU backend as it runs with its CPU kernel (scripts/sglang_env.sh: SGLang 0.5.17, whose intel_amx attention
+# calls the kernel we have as it is built; it runs on AVX2 and AVX-512 CPUs too, despite its name): float32 has no
+# rmsnorm kernel and `auto` would load an fp32 checkpoint as float16 (log-probs off by nats), the overlap scheduler
+# is GPU-only, the KV cache takes a fraction of the machine's memory, not of a GPU's, and an idle scheduler would
+# otherwise poll at 100 % of a core, which the learner and the other actors on the same CPUs need.
+SGLANG_CPU_ARGS = ("--device", "cpu", "--attention-backend", "intel_amx", "--dtype", "bfloat16",
                    "--disable-overlap-schedule", "--mem-fraction-static", "0.05", "--sleep-on-idle")  # fmt: skip
 
 
@@ -93,6 +93,13 @@ class SGLangConfig(Section):
         description="on the CPU, LD_PRELOAD what SGLang's CPU recipe runs with, where installed: Intel's OpenMP "
         "(libiomp5 of the server's venv, pip's intel-openmp) and the tcmalloc and TBB allocators (Debian's "
         "libtcmalloc-minimal4, libtbbmalloc2); scripts/sglang_env.sh installs them",
+    )
+    rounds_in_flight: int = Field(
+        2,
+        ge=1,
+        description="rounds an actor keeps generating at once on its server (each with its own reservation of "
+        "room): the server batches them continuously, and the actor grades and sends one while the others "
+        "generate; 1 = one round at a time (see B6 in the README for the figures per CPU kind)",
     )
     requests: Literal["n", "separate"] = Field(
         "n",

@@ -1,0 +1,104 @@
+"""Rounds in flight: an actor keeps up to ``k`` rounds generating at once on an engine that batches concurrent
+requests (a SGLang server's continuous batching), and grades and sends the oldest while the others generate.
+
+Each round holds its own reservation of room (:meth:`common.transport.Transport.reserve_round`), under a holder name
+of its slot: the actor's id for slot 0 (the only one of a one-round actor, as before), ``<id>/<slot>`` for the
+others. A round's policy version is the one its reply was generated with: a SGLang server reports it, and it updates
+its weights only between requests (an update waits for the requests in flight, SGLang 0.5.23's model update lock),
+so one reply is one version; where a server reports none, the version held when the round was sent.
+
+With ``k`` = 1 (the local engine, the synchronous baseline) a round is generated in the caller's thread, exactly as
+a round always was. Pure bookkeeping and a thread pool; the loop (:mod:`actor.loop`) does the Redis side.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from actor.engine_protocol import Engine
+from common.config import Config
+from common.generation import Sample
+from common.tasks import Problem
+
+
+@dataclass
+class Round:
+    holder: str  # whose reservation: the actor's id, or <id>/<slot>
+    problems: list[Problem]
+    started: float = field(default_factory=time.perf_counter)
+    version: int = 0  # the policy version it was (or is being) generated with
+    future: Future[tuple[list[list[Sample]], int | None]] | None = None
+    samples: list[list[Sample]] = field(default_factory=list)
+
+
+def rounds_in_flight(cfg: Config, engine: Engine) -> int:
+    """SGLang batches concurrent requests, so its actors keep ``sglang.rounds_in_flight`` rounds going; an engine in
+    this process generates one round at a time, and the synchronous baseline samples one round per version."""
+    concurrent = bool(getattr(engine, "batches_concurrent_requests", False))
+    return cfg.sglang.rounds_in_flight if concurrent and not cfg.actor.synchronous else 1
+
+
+class InFlight:
+    def __init__(self, actor_id: str, engine: Engine, k: int):
+        self.id = actor_id
+        self.engine = engine
+        self.k = k
+        self.pending: deque[Round] = deque()
+        self._pool = ThreadPoolExecutor(k, thread_name_prefix="generate") if k > 1 else None
+
+    def holders(self) -> list[str]:
+        """Every holder name this actor may reserve under (renewed with each heartbeat, released on the way out)."""
+        return [self.holder(slot) for slot in range(self.k)]
+
+    def holder(self, slot: int) -> str:
+        return self.id if slot == 0 else f"{self.id}/{slot}"
+
+    def free_holder(self) -> str | None:
+        """The holder name of a free slot, or None when ``k`` rounds are in flight."""
+        busy = {r.holder for r in self.pending}
+        return next((h for h in self.holders() if h not in busy), None)
+
+    def start(self, holder: str, problems: list[Problem], prompts: list[list[int]], group: int) -> Round:
+        rnd = Round(holder, problems, version=self.engine.version)
+        if self._pool is None:  # one round at a time: generated here and now
+            rnd.samples = self.engine.generate(prompts, group)
+            rnd.version = self.engine.version  # a SGLang engine may learn from its reply what its server holds
+        else:
+            rnd.future = self._pool.submit(self._generate, prompts, group)
+        self.pending.append(rnd)
+        return rnd
+
+    def _generate(self, prompts: list[list[int]], group: int) -> tuple[list[list[Sample]], int | None]:
+        generate_versioned: Callable[..., Any] | None = getattr(self.engine, "generate_versioned", None)
+        if generate_versioned is None:
+            return self.engine.generate(prompts, group), None
+        groups, version = generate_versioned(prompts, group)
+        return groups, version
+
+    def finish_oldest(self, waiting: Callable[[], None]) -> Round:
+        """The oldest round, once generated (``waiting()`` is called every 0.2 s meanwhile: heartbeats); an engine's
+        error is raised here, for the loop to handle as before."""
+        rnd = self.pending[0]
+        if rnd.future is not None:
+            while not wait([rnd.future], timeout=0.2).done:
+                waiting()
+            groups, version = rnd.future.result()
+            rnd.samples = groups
+            rnd.version = version if version is not None else rnd.version
+        return self.pending.popleft()
+
+    def close(self) -> list[Round]:
+        """Stop taking rounds; returns those still pending (generating, or generated and not taken)."""
+        left = list(self.pending)
+        self.pending.clear()
+        if self._pool is not None:
+            for rnd in left:
+                if rnd.future is not None:
+                    rnd.future.cancel()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        return left
