@@ -31,6 +31,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
   --prompt-len 128 --completion-len 512 --grad-accum 2
 "$PYTHON" benchmarks/learner_throughput.py --preset 0.5b --dtype bfloat16 --steps 3 --groups 8 --group-size 8 \
   --prompt-len 256 --completion-len 2048 --grad-accum 4
+# learner.autocast auto on a GPU: float32 weights, off and auto side by side; auto must report bf16_compute true.
+for autocast in off auto; do
+  "$PYTHON" benchmarks/learner_throughput.py --preset 0.5b --dtype float32 --steps 3 --groups 8 --group-size 8 \
+    --prompt-len 128 --completion-len 256 --grad-accum 2 -o "learner.autocast=$autocast"
+done
 # With two GPUs or more: weights.transport nccl's broadcast from the learner (cuda:0) to actors on the other GPUs,
 # against the disk path (one GPU cannot hold two ranks of a NCCL group), and the learner under torchrun.
 if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
