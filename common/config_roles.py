@@ -55,12 +55,14 @@ class ActorConfig(Section):
     )
 
 
-# SGLang's CPU backend as it runs with its CPU kernel (scripts/sglang_env.sh: SGLang 0.5.17, whose intel_amx attention
-# calls the kernel we have as it is built; it runs on AVX2 and AVX-512 CPUs too, despite its name): float32 has no
-# rmsnorm kernel and `auto` would load an fp32 checkpoint as float16 (log-probs off by nats), the overlap scheduler
-# is GPU-only, the KV cache takes a fraction of the machine's memory, not of a GPU's, and an idle scheduler would
-# otherwise poll at 100 % of a core, which the learner and the other actors on the same CPUs need.
-SGLANG_CPU_ARGS = ("--device", "cpu", "--attention-backend", "intel_amx", "--dtype", "bfloat16",
+# SGLang's CPU backend as it runs with its CPU kernel: its default attention backend (intel_amx) needs a newer kernel
+# than the one SGLang 0.5.23 was released with (the release that matches the kernel, 0.5.17, was a fifth faster with
+# it in B6, but its scheduler dies on a weight update whose cache flush finds requests running, which 0.5.23 answers
+# with HTTP 400), float32 has no rmsnorm kernel and `auto` would load an fp32 checkpoint as float16 (log-probs off by
+# nats), the overlap scheduler is GPU-only, the KV cache takes a fraction of the machine's memory, not of a GPU's, and
+# an idle scheduler would otherwise poll at 100 % of a core, which the learner and the other actors on the same CPUs
+# need.
+SGLANG_CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "bfloat16",
                    "--disable-overlap-schedule", "--mem-fraction-static", "0.05", "--sleep-on-idle")  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 # transformers, so it cannot share .venv). `actor.engine=sglang` launches its servers with this venv's python.
 #
 # - With an NVIDIA GPU: pip's SGLang 0.5.23 with its CUDA dependencies, as the actor image has it.
-# - Without one: torch 2.14.1, sglang 0.5.17 without its GPU dependencies, the runtime packages a CPU server
+# - Without one: torch 2.14.1, sglang 0.5.23 without its GPU dependencies, the runtime packages a CPU server
 #   imports, and SGLang's CPU kernel (sgl_kernel), which PyPI does not carry. The kernel comes from a directory
 #   `sglang-cpu/` under $GRPO_SHARED_DIR (or ../shared), in the build this CPU runs (`python3 -m common.hardware
 #   sglang-build`: x86-64-v4 with AMX, else x86-64-v3 with AVX2; chosen before anything is installed): its ready build
@@ -17,11 +17,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 VENV=${GRPO_SGLANG_VENV:-.venv-sglang}
 SGLANG_VERSION=0.5.23
-# On a CPU: the release whose CPU attention (intel_amx) calls the kernel we have (sgl-kernel 0.4.5) as it is built.
-# 0.5.23's Python passes that kernel more arguments than it takes, which left only the slower torch_native backend;
-# 0.5.17 with intel_amx generated the CPU recipe's rounds 1.2x as fast (B6 in the README), its log-probs as close to
-# transformers' float32 ones. Its transformers, tokenizers, xgrammar and openai pins come with it.
-SGLANG_CPU_VERSION=0.5.17
 TORCH_VERSION=2.14.1
 say() { echo "sglang_env: $*" >&2; }
 pip_install() { "$VENV/bin/pip" install --quiet --disable-pip-version-check "$@"; }
@@ -35,7 +30,6 @@ if [ $gpu = 0 ]; then
   choice=$("$PYTHON" -m common.hardware sglang-build 2>&1) || { say "no SGLang on this CPU: $choice"; exit 2; }
   build=$(echo "$choice" | head -1)
 fi
-[ $gpu = 1 ] || SGLANG_VERSION=$SGLANG_CPU_VERSION
 stamp="$VENV/.grpo-sglang-$SGLANG_VERSION-$build"
 if [ -f "$stamp" ] && [ -x "$VENV/bin/python" ]; then
   echo "$VENV/bin/python"
@@ -61,10 +55,10 @@ else
   pip_install --no-deps "sglang==$SGLANG_VERSION"
   # What a CPU server imports, found by launching one: SGLang's other requirements are GPU kernels.
   pip_install -c <(echo "torch==$TORCH_VERSION") \
-    fastapi uvicorn uvloop orjson pyzmq msgspec "transformers==5.12.1" "tokenizers==0.22.2" safetensors \
+    fastapi uvicorn uvloop orjson pyzmq msgspec "transformers==5.19.0" "tokenizers==0.23.2" safetensors \
     huggingface_hub psutil requests setproctitle pybase64 python-multipart numpy pillow prometheus-client einops \
     partial_json_parser packaging aiohttp tqdm pydantic regex IPython dill jsonschema "apache-tvm-ffi==0.1.11" \
-    "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf "openai==2.6.1" "xgrammar==0.2.1" "soundfile==0.13.1" \
+    "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf "openai==2.8.0" "xgrammar==0.2.7" "soundfile==0.13.1" \
     intel-openmp
   # The allocators SGLang's CPU recipe preloads (sglang.cpu_preload); without them the server runs, a little slower.
   if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 && command -v apt-get >/dev/null 2>&1 \
