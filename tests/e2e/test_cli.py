@@ -153,6 +153,7 @@ def test_sglang_on_a_cpu_that_cannot_run_it_is_one_line_before_anything_starts(c
     SGLang's server would die with Illegal instruction after minutes; instead one line names what the CPU lacks."""
     args = ["-o", "actor.engine=sglang", "-o", "sglang.device=cpu", "-o", f"run.dir={tmp_path / 'run'}"]
     args += ["-o", "redis.url=redis://127.0.0.1:1/0", "-o", "redis.retries=0"] if command == "actor" else []
+    args += ["--model", str(tmp_path / "model")] if command == "eval" else []
     line = one_line(grpo(command, *args, cwd=tmp_path, env={"GRPO_CPU_FLAGS": "sse2 sse4_2 avx"}))
     assert line.startswith(f"grpo {command}: config error: actor.engine: sglang cannot run on this CPU: "), line
     assert "avx2" in line and "actor.engine=local" in line, line
