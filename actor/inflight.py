@@ -80,6 +80,14 @@ class InFlight:
         groups, version = generate_versioned(prompts, group)
         return groups, version
 
+    def settle(self, waiting: Callable[[], None]) -> None:
+        """Wait until every round in flight is generated (they stay pending, to be taken in order): before a weights
+        update, so that no request of this actor reaches the server between the update and the flush of its prefix
+        cache, which a request still running can put off (see actor.sglang_engine)."""
+        for rnd in self.pending:
+            while rnd.future is not None and not wait([rnd.future], timeout=0.2).done:
+                waiting()
+
     def finish_oldest(self, waiting: Callable[[], None]) -> Round:
         """The oldest round, once generated (``waiting()`` is called every 0.2 s meanwhile: heartbeats); an engine's
         error is raised here, for the loop to handle as before."""

@@ -172,6 +172,7 @@ class Actor:
         key = (ann.version, ann.uri, ann.digest)
         if self._load_backoff.waiting(key, time.monotonic()):
             return
+        self.in_flight.settle(self.heartbeat)  # no request of ours between the update and its cache flush
         t0 = time.perf_counter()
         try:
             nbytes = self.engine.load(ann)

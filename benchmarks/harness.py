@@ -36,8 +36,12 @@ def parser(doc: str | None, quick_help: str) -> argparse.ArgumentParser:
 
 
 def emit(result: dict[str, Any], out: Path | None) -> int:
-    """Print the result as one JSON line (and write it to ``out``)."""
-    text = json.dumps(result)
+    """Print the result as one JSON line (and write it to ``out``), with the machine it was measured on."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from common.hardware import machine
+
+    text = json.dumps({**result, "machine": result.get("machine") or machine()})
     if out:
         out.write_text(text + "\n")
     print(text)

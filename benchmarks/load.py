@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common.config import RedisConfig, load_config  # noqa: E402
+from common.hardware import machine  # noqa: E402
 from common.procs import stop_process, wait_until  # noqa: E402
 from common.transport import Transport, read_balance  # noqa: E402
 from ops.redis_server import RedisServer  # noqa: E402
@@ -126,6 +127,7 @@ def main() -> int:
     peak_unread = max(s["unread"] for s in samples)
     peak_mem = max(s["used_memory"] for s in samples)
     report = {
+        "machine": machine(),
         "actors": args.actors,
         "seconds": round(elapsed, 1),
         "sim_tokens_per_s_per_actor": cfg.actor.sim_tokens_per_s,

@@ -33,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(1, str(REPO))
 
 import broadcast  # noqa: E402
 import curves  # noqa: E402
@@ -43,6 +44,8 @@ import scale  # noqa: E402
 import transport  # noqa: E402
 import versus_trl  # noqa: E402
 import weights  # noqa: E402
+
+from common.hardware import machine  # noqa: E402
 
 BENCHMARKS = {
     "B1": overlap.run,
@@ -130,6 +133,7 @@ def main() -> int:
         "commit": commit.stdout.strip() or None,
         "quick": args.quick,
         "machine": {
+            **machine(),  # the CPU's model and features, cores, load: what every figure below was measured on
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),

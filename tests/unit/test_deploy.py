@@ -257,8 +257,9 @@ def test_the_gsm8k_recipe_is_deepseekmaths_experiment_for_compose() -> None:
     assert "{question}" in t.prompt_template and "####" in t.prompt_template and cfg.grader.name == "gsm8k"
     assert 8 <= cfg.sampling.group_size <= 16 and 5e-7 <= lc.lr <= 2e-6 and lc.beta == 0.0
     assert (lc.loss_type, lc.epsilon_low, lc.epsilon_high) == ("dapo", 0.2, 0.28) and cfg.actor.filter_zero_std
-    # Mixed precision: float32 parameters (1e-6 updates survive), bfloat16 compute and published weights.
-    assert (cfg.model.dtype, lc.autocast, cfg.weights.dtype) == ("float32", "bfloat16", "bfloat16")
+    # Mixed precision: float32 parameters (1e-6 updates survive), bfloat16 compute where the device computes it
+    # natively (auto: a GPU's, where the recipe runs) and bfloat16 published weights.
+    assert (cfg.model.dtype, lc.autocast, cfg.weights.dtype) == ("float32", "auto", "bfloat16")
     assert cfg.weights.dir == "/weights/compose" and cfg.metrics.host == "0.0.0.0" and cfg.model.device == "cuda"
     assert cfg.actor.engine == "sglang"  # the config says so: compose's command line does not
     # Offline, the same recipe reads a local copy (GRPO_TASK_PATH, .env.example) instead of the hub.

@@ -72,3 +72,16 @@ def test_only_an_engine_that_batches_concurrent_requests_gets_more_than_one(tmp_
     assert rounds_in_flight(cfg, object()) == 1  # type: ignore[arg-type]
     cfg.actor.synchronous = True
     assert rounds_in_flight(cfg, Engine()) == 1  # type: ignore[arg-type]
+
+
+def test_settling_waits_for_every_round_and_keeps_them_in_order() -> None:
+    engine = Engine()
+    f = InFlight("a", engine, 2)
+    first = f.start("a", problems(1), [[5]], 2)
+    second = f.start("a/1", problems(1), [[6]], 2)
+    beats: list[int] = []
+    threading.Timer(0.5, engine.release.set).start()
+    f.settle(lambda: beats.append(1))
+    assert beats and all(r.future is not None and r.future.done() for r in (first, second))
+    assert f.finish_oldest(lambda: None) is first and f.finish_oldest(lambda: None) is second
+    f.close()

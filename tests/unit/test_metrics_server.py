@@ -173,7 +173,7 @@ def test_a_long_backpressure_wait_is_counted_while_it_lasts() -> None:
     pubsub = SimpleNamespace(get_message=lambda timeout: time.sleep(0.05))
     never = SimpleNamespace(is_set=lambda: False, is_done=lambda: False)  # no stop request, the run goes on
     actor.__dict__.update(stop=never, transport=never, heartbeat=lambda: None, receiver=None, _pubsub=pubsub,
-                          metrics=metrics)  # fmt: skip
+                          metrics=metrics, engine=SimpleNamespace(failed=lambda: None))  # fmt: skip
     seen: list[float] = []
 
     def blocked() -> bool:  # still waiting: what has the counter said so far?
