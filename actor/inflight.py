@@ -77,36 +77,34 @@ class InFlight:
         generate_versioned: Callable[..., Any] | None = getattr(self.engine, "generate_versioned", None)
         if generate_versioned is None:
             return self.engine.generate(prompts, group), None
-        groups, version = generate_versioned(prompts, group)
-        return groups, version
+        return generate_versioned(prompts, group)  # type: ignore[no-any-return]
 
     def settle(self, waiting: Callable[[], None]) -> None:
         """Wait until every round in flight is generated (they stay pending, to be taken in order): before a weights
         update, so that no request of this actor reaches the server between the update and the flush of its prefix
         cache, which a request still running can put off (see actor.sglang_engine)."""
         for rnd in self.pending:
-            while rnd.future is not None and not wait([rnd.future], timeout=0.2).done:
-                waiting()
+            _await(rnd, waiting)
 
     def finish_oldest(self, waiting: Callable[[], None]) -> Round:
         """The oldest round, once generated (``waiting()`` is called every 0.2 s meanwhile: heartbeats); an engine's
         error is raised here, for the loop to handle as before."""
         rnd = self.pending[0]
         if rnd.future is not None:
-            while not wait([rnd.future], timeout=0.2).done:
-                waiting()
+            _await(rnd, waiting)
             groups, version = rnd.future.result()
             rnd.samples = groups
             rnd.version = version if version is not None else rnd.version
         return self.pending.popleft()
 
-    def close(self) -> list[Round]:
-        """Stop taking rounds; returns those still pending (generating, or generated and not taken)."""
-        left = list(self.pending)
+    def close(self) -> None:
+        """Stop taking rounds: those not started are cancelled, those generating are waited for, none is kept."""
         self.pending.clear()
         if self._pool is not None:
-            for rnd in left:
-                if rnd.future is not None:
-                    rnd.future.cancel()
             self._pool.shutdown(wait=True, cancel_futures=True)
-        return left
+
+
+def _await(rnd: Round, waiting: Callable[[], None]) -> None:
+    """Until ``rnd`` is generated, calling ``waiting()`` every 0.2 s (heartbeats)."""
+    while rnd.future is not None and not wait([rnd.future], timeout=0.2).done:
+        waiting()
