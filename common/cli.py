@@ -6,7 +6,9 @@ Exit codes: 0 done (or stopped on request); 2 a user's mistake (invalid config, 
 refused password or command, missing model path, a run, weights or checkpoint directory that is read-only or full),
 one line on stderr; 3 Redis lost mid-run and still unreachable after
 ``redis.retries`` reconnect attempts (a supervisor restarts the process; nothing is lost, see docs/operations.md, "What
-survives what"); 130 Ctrl-C. Anything else is a bug and keeps its traceback.
+survives what"); 4 the run is held by another live learner (``learner.if_held: exit``, or ``learner.held_wait_s``
+spent waiting); 5 the learner found another one had taken its run over, and stopped at once; 130 Ctrl-C. Anything
+else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from common.storage import StorageError, storage_errno
 
 EXIT_USAGE = 2
 EXIT_REDIS_LOST = 3
+EXIT_LEASE_HELD = 4
+EXIT_LEASE_LOST = 5
 
 
 DISTRIBUTION = "grpo-pipeline"
@@ -207,7 +211,7 @@ def run_command(name: str, argv: list[str], commands: dict[str, object]) -> int:
     list), a bug keeps its traceback."""
     import redis
 
-    from common.transport import TransportError
+    from common.transport import LeaseHeld, LeaseLost, TransportError
 
     try:
         builtin = BUILTIN_COMMANDS.get(name)
@@ -235,6 +239,12 @@ def run_command(name: str, argv: list[str], commands: dict[str, object]) -> int:
             file=sys.stderr,
         )
         return EXIT_REDIS_LOST
+    except LeaseHeld as e:
+        print(f"grpo {name}: {e}", file=sys.stderr)
+        return EXIT_LEASE_HELD
+    except LeaseLost as e:
+        print(f"grpo {name}: stopped: {e}", file=sys.stderr)
+        return EXIT_LEASE_LOST
     except KeyboardInterrupt:
         return 130
 

@@ -185,6 +185,17 @@ class LearnerConfig(Section):
         ge=1,
         description="malformed messages kept in the dead-letter stream, about the newest (stats count them all)",
     )
+    if_held: Literal["wait", "exit"] = Field(
+        "wait",
+        description="a learner started on a run another live learner holds: wait for it (saying for whom: host, "
+        "pid, since when) until it ends or gives up its lease, or exit at once with code 4; one learner trains a run",
+    )
+    held_wait_s: float = Field(
+        3600.0,
+        gt=0,
+        description="if_held wait: the longest wait, then exit code 4 (a supervisor that restarts it waits again, "
+        "rather than spinning)",
+    )
     torch_threads: int = Field(1, ge=1, description="torch CPU threads of the learner")
     min_step_s: float = Field(
         0.0,

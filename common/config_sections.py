@@ -44,6 +44,13 @@ class RunConfig(Section):
         description="an actor's heartbeat key (actors:<id>) expires this long after its last beat: actors beat, the "
         "learner (weights.transport nccl) and grpo status count live actors by them",
     )
+    lease_ttl_s: float = Field(
+        30.0,
+        ge=1,
+        description="the learner's lease on the run (learner:lease in Redis) ends this long after its last renewal "
+        "(a thread renews it every third of it, whatever a step or a checkpoint takes): a learner started after "
+        "another was killed -9 takes over within this; one that stops cleanly gives it up at once",
+    )
 
 
 class RedisConfig(Section):

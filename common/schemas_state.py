@@ -161,6 +161,46 @@ class RunIdentity:
         )
 
 
+# --- the learner's lease (hash ``learner:lease``: learner → learners, ``grpo status``) ----------------------------
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """The learner that holds the run (learner → hash ``learner:lease``, with a TTL, → a second learner, which waits
+    for it or exits, and ``grpo status``): its fencing ``token`` (it grows with every new holder), ``holder`` (the
+    process's own id, unique per start), ``host``, ``pid`` and ``since`` (Redis's clock when it took the run). Written
+    whole by the lease's script (common.transport_lease); ``ttl_s`` is not a field: the key's TTL, read with it."""
+
+    token: int
+    holder: str
+    host: str
+    pid: int
+    since: float
+    ttl_s: float | None = None
+
+    def to_hash(self) -> dict[str, str]:
+        return {"token": str(self.token), "holder": self.holder, "host": self.host, "pid": str(self.pid),
+                "since": repr(self.since)}  # fmt: skip
+
+    @classmethod
+    def from_hash(cls, h: Mapping[Any, Any], ttl_s: float | None = None) -> LeaseHolder:
+        d = {_text(k, "learner:lease"): v for k, v in h.items()}
+        if missing := sorted({"token", "holder", "host", "pid", "since"} - d.keys()):
+            raise SchemaError(f"learner:lease: missing {missing}")
+        return cls(
+            _count(d["token"], "learner:lease.token"),
+            _text(d["holder"], "learner:lease.holder")[:256],
+            _text(d["host"], "learner:lease.host")[:256],
+            _count(d["pid"], "learner:lease.pid"),
+            _seconds(d["since"], "learner:lease.since"),
+            ttl_s,
+        )
+
+    def who(self) -> str:
+        """The holder in words, for the line of a learner that waits for it and for ``grpo status``."""
+        return f"{self.host} pid {self.pid} (lease token {self.token})"
+
+
 # --- the done mark (string ``done``: learner → actors, ``grpo status``) ------------------------------------------
 
 

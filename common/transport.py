@@ -22,6 +22,10 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
                                    every checkpoint; and what a Redis that lost its data lost (``resets``,
                                    ``reset_at``, ``reset_step``, ``trained_before_reset``: groups trained before the
                                    loss, not in ``stats``)
+``learner:lease``      hash+TTL    the learner that holds the run (common.schemas.LeaseHolder: ``token``, ``holder``,
+                                   ``host``, ``pid``, ``since``), renewed from a thread; expires ``run.lease_ttl_s``
+                                   after its last renewal
+``learner:token``      counter     the last fencing token given: every new holder gets one above it
 =====================  ==========  ======================================================================
 
 Accounting. Every counter in ``stats`` is bumped in the same MULTI/EXEC transaction as the stream operation it
@@ -51,6 +55,7 @@ common.transport_delivery    the learner: delivering within a byte budget, takin
 common.transport_dead        dead letters: moving, reading and replaying them
 common.transport_members     heartbeats, and the members and rounds of weights over NCCL
 common.transport_run         the weights announcement, the done mark, identity, counters and the balance
+common.transport_lease       the learner's lease, and the fence every write of the learner goes through
 ===========================  ===============================================================================
 
 Import every name from here.
@@ -62,6 +67,7 @@ from common.transport_admission import Admission, MessageTooLarge, Producing, me
 from common.transport_connection import CONSUMER_GROUP, Keys, SentinelURL, TransportError, parse_sentinel_url
 from common.transport_dead import DeadLetters
 from common.transport_delivery import DEAD_PREFIX_BYTES, Delivering, Delivery, ReadLimits, StreamEntry
+from common.transport_lease import LeaseHeld, LeaseLost, lease_line
 from common.transport_members import Membership
 from common.transport_run import Balance, RunState, read_balance
 
@@ -72,12 +78,15 @@ __all__ = [
     "Balance",
     "Delivery",
     "Keys",
+    "LeaseHeld",
+    "LeaseLost",
     "MessageTooLarge",
     "ReadLimits",
     "SentinelURL",
     "StreamEntry",
     "Transport",
     "TransportError",
+    "lease_line",
     "message_byte_limit",
     "parse_sentinel_url",
     "read_balance",

@@ -88,6 +88,8 @@ class Keys:
         self.inflight = self.prefix + "inflight"
         self.filtered = self.prefix + "filtered"
         self.identity = self.prefix + "identity"
+        self.lease = self.prefix + "learner:lease"
+        self.lease_token = self.prefix + "learner:token"
         self.nccl_members = self.prefix + "nccl:members"
         self.nccl_round = self.prefix + "nccl:round"
         self.nccl_ready = self.prefix + "nccl:ready"

@@ -10,8 +10,9 @@ from typing import Any
 import redis
 
 from common.schemas import DeadLetter, as_text
-from common.transport_connection import CONSUMER_GROUP, Connection, Lua
+from common.transport_connection import CONSUMER_GROUP, Lua
 from common.transport_delivery import DEAD_PREFIX_BYTES, StreamEntry
+from common.transport_lease import Fenced, Leasing
 
 _DEAD_LETTER = """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
@@ -45,8 +46,8 @@ return id
 """
 
 
-class DeadLetters(Connection):
-    _dead_script = Lua(_DEAD_LETTER)
+class DeadLetters(Leasing):
+    _dead_script = Fenced(_DEAD_LETTER)  # the learner's: behind its fence
     _replay_script = Lua(_REPLAY)
 
     def dead_letter(self, entry: StreamEntry, reason: str, keep: int = 100_000) -> None:
@@ -54,11 +55,9 @@ class DeadLetters(Connection):
         size (an oversized one never gets here: :meth:`read` dead-letters it with a prefix). The stream keeps about
         the newest ``keep`` (a flood of garbage must not fill Redis); ``groups_dead`` counts every one."""
         payload = entry.payload if entry.payload is not None else b""
-        self._do(
-            lambda: self._dead_script(
-                keys=[self.keys.groups, self.keys.stats, self.keys.dead],
-                args=[CONSUMER_GROUP, entry.id, reason[:1000], payload, repr(time.time()), keep],
-            )
+        self._dead_script(
+            keys=[self.keys.groups, self.keys.stats, self.keys.dead],
+            args=[CONSUMER_GROUP, entry.id, reason[:1000], payload, repr(time.time()), keep],
         )
 
     def dead_letters(self, count: int, start: str = "-") -> list[DeadLetter]:

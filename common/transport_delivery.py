@@ -9,11 +9,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
-import redis
-
 from common.metrics import DropReason
 from common.schemas import as_text, counter
-from common.transport_connection import CONSUMER_GROUP, Connection, Lua
+from common.transport_connection import CONSUMER_GROUP
+from common.transport_lease import Fenced, Leasing
 
 _SCRIPT_CHUNK = 1000  # ids per script call (Lua's unpack has a stack limit)
 DEAD_PREFIX_BYTES = 4096  # what the dead stream keeps of an oversized message: enough to see what it was
@@ -92,6 +91,13 @@ return {taken, dead, out}
 
 _CLAIM_IDS = "return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', 256, 'JUSTID')"
 
+# The stream and its consumer group, from the very first entry; one that exists already is left as it is.
+_ENSURE_GROUP = """
+local r = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+if type(r) == 'table' and r.err and not string.find(r.err, 'BUSYGROUP') then return r end
+return 1
+"""
+
 
 @dataclass(frozen=True)
 class ReadLimits:
@@ -124,22 +130,20 @@ class Delivery(list[StreamEntry]):
         self.taken = taken
 
 
-class Delivering(Connection):
-    """What the learner does with the groups stream: read, take over, settle."""
+class Delivering(Leasing):
+    """What the learner does with the groups stream: read, take over, settle; each behind the learner's fence
+    (common.transport_lease), as reading assigns entries to a consumer and settling counts them."""
 
-    _settle_script = Lua(_SETTLE)
-    _settle_trained_script = Lua(_SETTLE_TRAINED)
-    _deliver_script = Lua(_DELIVER)
-    _claim_ids_script = Lua(_CLAIM_IDS)
+    _settle_script = Fenced(_SETTLE)
+    _settle_trained_script = Fenced(_SETTLE_TRAINED)
+    _deliver_script = Fenced(_DELIVER)
+    _claim_ids_script = Fenced(_CLAIM_IDS)
+    _ensure_group_script = Fenced(_ENSURE_GROUP)
 
     def ensure_consumer_group(self) -> None:
         """Create the stream and the ``learners`` group, reading from the very first entry (id 0): groups that
         actors XADD before the learner first starts are trained, not skipped."""
-        try:
-            self._do(lambda: self.client.xgroup_create(self.keys.groups, CONSUMER_GROUP, id="0", mkstream=True))
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        self._ensure_group_script(keys=[self.keys.groups], args=[CONSUMER_GROUP])
 
     def read(self, consumer: str, count: int, block_ms: int, limits: ReadLimits | None = None) -> Delivery:
         """Up to ``count`` new entries for this consumer, waiting up to ``block_ms`` for the first; they stay
@@ -166,7 +170,7 @@ class Delivering(Connection):
         args: list[Any] = [CONSUMER_GROUP, consumer, count, lim.max_bytes, lim.budget_bytes, lim.dead_keep,
                            DEAD_PREFIX_BYTES, repr(time.time()), mode, *ids]  # fmt: skip
         keys = [self.keys.groups, self.keys.stats, self.keys.dead]
-        taken, dead, entries = cast(Any, self._do(lambda: self._deliver_script(keys=keys, args=args)))
+        taken, dead, entries = cast(Any, self._deliver_script(keys=keys, args=args))
         return Delivery(
             [StreamEntry(as_text(i), dict(zip(f[::2], f[1::2], strict=True))) for i, f in entries],
             [(as_text(dead[k]), as_text(dead[k + 1])) for k in range(0, len(dead), 2)],
@@ -181,7 +185,7 @@ class Delivering(Connection):
         while True:
             # A script, because redis-py's XAUTOCLAIM ... JUSTID drops the cursor from its reply.
             args = [CONSUMER_GROUP, consumer, min_idle_ms, start]
-            reply: Any = self._do(lambda a=args: self._claim_ids_script(keys=[self.keys.groups], args=a))  # type: ignore[misc]
+            reply: Any = self._claim_ids_script(keys=[self.keys.groups], args=args)
             start = as_text(reply[0])
             out.extend(as_text(i) for i in reply[1])
             if start == "0-0":
@@ -211,20 +215,17 @@ class Delivering(Connection):
 
     def _settle(self, ids: list[str], counter: str) -> None:
         for i in range(0, len(ids), _SCRIPT_CHUNK):
-            self._do(lambda c=ids[i : i + _SCRIPT_CHUNK]: self._settle_script(  # type: ignore[misc]
-                keys=[self.keys.groups, self.keys.stats], args=[CONSUMER_GROUP, counter, *c]
-            ))  # fmt: skip
+            chunk = ids[i : i + _SCRIPT_CHUNK]
+            self._settle_script(keys=[self.keys.groups, self.keys.stats], args=[CONSUMER_GROUP, counter, *chunk])
 
     def ack_trained(self, ids: list[str], group_ids: list[str], step: int = 0, window: int = 1000) -> None:
         """After the optimizer step that used them (and the checkpoint that covers it): XACK + XDEL +
         groups_trained, and remember the group ids for ``window`` steps, atomically."""
         for i in range(0, len(ids), _SCRIPT_CHUNK):
             part, gids = ids[i : i + _SCRIPT_CHUNK], group_ids[i : i + _SCRIPT_CHUNK]
-            self._do(
-                lambda p=part, g=gids: self._settle_trained_script(  # type: ignore[misc]
-                    keys=[self.keys.groups, self.keys.stats, self.keys.trained_ids],
-                    args=[CONSUMER_GROUP, step, step - window, len(p), *p, *g],
-                )
+            self._settle_trained_script(
+                keys=[self.keys.groups, self.keys.stats, self.keys.trained_ids],
+                args=[CONSUMER_GROUP, step, step - window, len(part), *part, *gids],
             )
 
     def trained_before(self, group_ids: list[str]) -> list[bool]:

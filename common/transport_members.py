@@ -8,7 +8,7 @@ import time
 from typing import Any, cast
 
 from common.schemas import Heartbeat, NcclDecision, NcclDecisionName, NcclMember, Round, SchemaError, as_text
-from common.transport_connection import Connection, Lua
+from common.transport_lease import Fenced, Leasing
 
 # Remove a hash field only if it still holds the value read: a member that re-registered meanwhile stays.
 _HDEL_IF = """
@@ -17,8 +17,8 @@ return 0
 """
 
 
-class Membership(Connection):
-    _hdel_if_script = Lua(_HDEL_IF)
+class Membership(Leasing):
+    _hdel_if_script = Fenced(_HDEL_IF)  # the learner prunes members behind its fence; actors unfenced
 
     def heartbeat(self, actor_id: str, ttl_s: float, info: dict[str, Any]) -> None:
         """``actor_id`` is alive for ``ttl_s``: a :class:`~common.schemas.Heartbeat` of this process, with ``info``
@@ -60,14 +60,12 @@ class Membership(Connection):
         return members
 
     def _hdel_if(self, key: str, field: Any, value: Any) -> None:
-        self._do(lambda: self._hdel_if_script(keys=[key], args=[field, value]))
+        self._hdel_if_script(keys=[key], args=[field, value])
 
     def nccl_open_round(self, rnd: Round) -> None:
         """Start a round: its description, no one ready yet, no decision (members poll for it)."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.delete(self.keys.nccl_ready, self.keys.nccl_state)
-        pipe.set(self.keys.nccl_round, rnd.to_json())
-        self._do(pipe.execute)
+        k = self.keys
+        self.write(("DEL", k.nccl_ready), ("DEL", k.nccl_state), ("SET", k.nccl_round, rnd.to_json()))
 
     def nccl_round(self) -> Round | None:
         """The current round; None when there is none; SchemaError (one line) when it is malformed."""
@@ -85,8 +83,7 @@ class Membership(Connection):
     def nccl_decide(self, round_id: str, decision: NcclDecisionName) -> None:
         """``join`` (members join the round's new group), ``go`` (the learner broadcasts now) or ``cancel`` (it does
         not: the version goes to disk)."""
-        value = NcclDecision(round_id, decision).encode()
-        self._do(lambda: self.client.set(self.keys.nccl_state, value))
+        self.write(("SET", self.keys.nccl_state, NcclDecision(round_id, decision).encode()))
 
     def nccl_decision(self, round_id: str) -> NcclDecisionName | None:
         """The decision on round ``round_id``; ``cancel`` once the state belongs to any other round (a later one, or

@@ -6,13 +6,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
 
 import redis
 
 from common.schemas import PRODUCED, DoneMark, RunCounters, RunIdentity, WeightsAnnouncement, as_text, weights_wakeup
 from common.transport_admission import UNREAD
-from common.transport_connection import CONSUMER_GROUP, Connection, Lua
+from common.transport_connection import CONSUMER_GROUP, Lua
+from common.transport_lease import Leasing
 
 
 @dataclass(frozen=True)
@@ -46,16 +46,19 @@ class Balance:
         )
 
 
-class RunState(Connection):
+class RunState(Leasing):
+    """The run's state; what the learner writes here goes through its fence (:meth:`Leasing.write`)."""
+
     _unread_script = Lua(UNREAD)
 
     def announce_weights(self, ann: WeightsAnnouncement) -> None:
         """Update ``weights:latest`` and publish the version on the ``weights`` channel, atomically."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.delete(self.keys.weights_latest)  # no field of an earlier build's announcement outlives it
-        pipe.hset(self.keys.weights_latest, mapping=cast(Any, ann.to_hash()))
-        pipe.publish(self.keys.weights_channel, weights_wakeup(ann.version))
-        self._do(pipe.execute)
+        fields = [x for kv in ann.to_hash().items() for x in kv]
+        self.write(
+            ("DEL", self.keys.weights_latest),  # no field of an earlier build's announcement outlives it
+            ("HSET", self.keys.weights_latest, *fields),
+            ("PUBLISH", None, self.keys.weights_channel, weights_wakeup(ann.version)),
+        )
 
     def latest_weights(self) -> WeightsAnnouncement | None:
         """The announced version; None when none is; SchemaError (one line) when the hash is malformed: every
@@ -69,10 +72,10 @@ class RunState(Connection):
         return ps
 
     def mark_done(self) -> None:
-        self._do(lambda: self.client.set(self.keys.done, DoneMark(self.server_time()).encode()))
+        self.write(("SET", self.keys.done, DoneMark(self.server_time()).encode()))
 
     def clear_done(self) -> None:
-        self._do(lambda: self.client.delete(self.keys.done))
+        self.write(("DEL", self.keys.done))
 
     def is_done(self) -> bool:
         """Whether the learner marked the run finished. A run name is one run: an actor that starts (or restarts)
@@ -92,21 +95,20 @@ class RunState(Connection):
 
     def create_identity(self, run_id: str) -> None:
         """Name the run in Redis (kept if another learner named it first)."""
-        pipe = self.client.pipeline(transaction=True)
-        for name, value in RunIdentity.first_fields(run_id, self.server_time()).items():
-            pipe.hsetnx(self.keys.identity, name, value)
-        self._do(pipe.execute)
+        first = RunIdentity.first_fields(run_id, self.server_time())
+        self.write(*(("HSETNX", self.keys.identity, name, value) for name, value in first.items()))
 
     def record_reset(self, run_id: str, step: int, trained_before: int) -> None:
         """Name the run again in a Redis that lost its data, recording the loss: when, at which learner step, and
         how many groups had been trained before it (no longer in ``stats``; ``grpo status`` reports them)."""
         now = self.server_time()
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.keys.identity, mapping=cast(Any, RunIdentity.reset_fields(run_id, now, step, trained_before)))
-        for name, value in RunIdentity.first_fields(run_id, now).items():  # id is set above: created_at, if absent
-            pipe.hsetnx(self.keys.identity, name, value)
-        pipe.hincrby(self.keys.identity, "resets", 1)
-        self._do(pipe.execute)
+        reset = RunIdentity.reset_fields(run_id, now, step, trained_before)
+        first = RunIdentity.first_fields(run_id, now)  # id is set by the HSET: created_at, if absent
+        self.write(
+            ("HSET", self.keys.identity, *(x for kv in reset.items() for x in kv)),
+            *(("HSETNX", self.keys.identity, name, value) for name, value in first.items()),
+            ("HINCRBY", self.keys.identity, "resets", 1),
+        )
 
     def counters(self) -> RunCounters:
         """The durable counters (hash ``stats``); SchemaError (one line) when the hash holds something else."""

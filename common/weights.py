@@ -1,7 +1,8 @@
 """The weight store: one HF-format safetensors directory per policy version, on a volume learner and actors share.
 
 Layout: ``<weights.dir>/v000012/`` holds ``config.json``, ``model.safetensors`` (or shards), tokenizer files, and
-``digest`` (the digest announced in ``weights:latest``). A version is written under a temporary name, synced and
+``digest`` (the digest announced in ``weights:latest``) and ``lease_token`` (the token of the learner that wrote it:
+learner.fencing). A version is written under a temporary name, synced and
 renamed into place, so a reader sees either nothing or the whole directory; the newest ``keep`` versions stay, and
 the announced one whatever its number.
 
@@ -27,7 +28,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ import xxhash
 
 from common.schemas import DIGEST_HEX_LENGTHS, WeightsAnnouncement
 from common.storage import fsync_dir, fsync_tree, open_to_umask
+from common.transport_lease import LeaseLost
 
 # What a reader may open (common.weights_files) and the safetensors format (common.weights_format) are theirs;
 # their names are imported from here as well.
@@ -74,6 +76,9 @@ log = logging.getLogger(__name__)
 
 
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
+LEASE_TOKEN_FILE = "lease_token"  # the publishing learner's lease token (learner.fencing)
+# (token, version) -> whether a learner wrote it after another took the run over (learner.fencing decides).
+Superseded = Callable[[int, int], bool]
 
 
 def version_dir(root: str | os.PathLike[str], version: int) -> Path:
@@ -204,6 +209,8 @@ def publish(
     prune_in_background: bool = False,
     state_dict: dict[str, torch.Tensor] | None = None,
     protect: Collection[int] = (),
+    token: int = 0,
+    superseded: Superseded | None = None,
 ) -> Published:
     """Write ``version`` atomically and prune old versions. The caller announces it (see Transport).
 
@@ -213,7 +220,10 @@ def publish(
     they are not the model's own (a sharded learner gathers them whole first). With ``prune_in_background`` (the
     learner's choice) old versions are deleted by a thread while training goes on: freeing a model's pages costs as
     much as a third of writing it, and nobody waits for it. ``protect``: versions the prune keeps whatever their
-    number (the one announced now); ``version`` itself is always kept.
+    number (the one announced now); ``version`` itself is always kept. ``token``: the publishing learner's lease
+    token, kept in the version's ``lease_token`` file; a version of a higher token is never replaced or pruned, and
+    one that ``superseded(token, version)`` says a learner wrote after another took the run over is pruned and never
+    counted (learner.fencing).
 
     One writer at a time in a process (the learner's training loop and its broadcast thread both publish): a
     publish waits for the one before it and for that one's prune, so a prune never runs beside a write of this
@@ -225,12 +235,14 @@ def publish(
     with _one_writer:
         wait_pruned(root)
         root.mkdir(parents=True, exist_ok=True)
-        final, checked, nbytes = _write_version(model, tokenizer, root, version, dtype, digest_algorithm, state_dict)
+        final, checked, nbytes = _write_version(
+            model, tokenizer, root, version, dtype, digest_algorithm, state_dict, token
+        )
         kept = {version, *protect}
         if prune_in_background:
-            _pruning[root] = _pruner.submit(prune, root, keep, kept)
+            _pruning[root] = _pruner.submit(prune, root, keep, kept, token, superseded)
         else:
-            prune(root, keep, kept)
+            prune(root, keep, kept, token, superseded)
     ann = WeightsAnnouncement(version=version, uri=str(final), digest=checked)
     return Published(ann, nbytes, time.perf_counter() - t0)
 
@@ -243,6 +255,7 @@ def _write_version(
     dtype: str,
     digest_algorithm: str,
     state_dict: dict[str, torch.Tensor] | None,
+    token: int = 0,
 ) -> tuple[Path, str, int]:
     """Write a version under a temporary name this process owns (see prune), sync it, and rename it into place."""
     tmp = root / f".tmp-v{version:06d}-{_OWNER}-{uuid.uuid4().hex[:8]}"
@@ -259,10 +272,13 @@ def _write_version(
             tokenizer.save_pretrained(tmp)
         checked, nbytes = digest(tmp, digest_algorithm)
         (tmp / "digest").write_text(checked + "\n")
+        (tmp / LEASE_TOKEN_FILE).write_text(f"{token}\n")
         open_to_umask(tmp)  # an SGLang server of another user reads the version too
         fsync_tree(tmp)
         final = version_dir(root, version)
         if final.exists():  # a version re-published after a resume replaces the old copy
+            if (theirs := version_token(final)) > token:
+                raise LeaseLost(f"{final} is a newer learner's (lease token {theirs}): another learner holds the run")
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_dir(root)
@@ -280,23 +296,50 @@ def _set_config_dtype(path: Path, dtype: str) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def prune(root: str | os.PathLike[str], keep: int, protect: Collection[int] = ()) -> None:
+def prune(
+    root: str | os.PathLike[str],
+    keep: int,
+    protect: Collection[int] = (),
+    token: int = 0,
+    superseded: Superseded | None = None,
+) -> None:
     """Keep the newest ``keep`` versions and those in ``protect`` (the announced one: after a resume it may be
     numbered below versions a lost learner left). Also removes half-written ``.tmp-v*`` copies, but only this
     process's own (none is being written: see publish) or ones untouched for ``_TMP_MAX_AGE_S`` (a killed
-    publisher's): another publisher's copy in progress is never deleted under it."""
+    publisher's): another publisher's copy in progress is never deleted under it. A version of a lease token above
+    ``token`` (a newer learner's) is left alone; one ``superseded`` is removed and not counted (see publish)."""
     for leftover in Path(root).glob(".tmp-v*"):
         if _OWNER in leftover.name or _untouched_for(leftover) > _TMP_MAX_AGE_S:
             shutil.rmtree(leftover, ignore_errors=True)
-    versions = [(v, path) for v, path in _versions(Path(root)) if path.is_dir()]
-    for v, path in versions[:-keep] if keep > 0 else versions:
+    counted = []
+    for v, path in _versions(Path(root)):
+        t = version_token(path)
+        if not path.is_dir() or t > token:
+            continue
+        if superseded is not None and superseded(t, v) and v not in protect:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            counted.append((v, path))
+    for v, path in counted[:-keep] if keep > 0 else counted:
         if v not in protect:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def newest_on_disk(root: str | os.PathLike[str]) -> int:
-    """The highest version under ``weights.dir`` (-1: none): a version some actor may hold, announced or not."""
-    return max((v for v, _ in _versions(Path(root))), default=-1) if Path(root).is_dir() else -1
+def newest_on_disk(root: str | os.PathLike[str], superseded: Superseded | None = None) -> int:
+    """The highest version under ``weights.dir`` (-1: none): a version some actor may hold, announced or not; one
+    ``superseded`` (written by a learner after another took the run over, never announced) does not count."""
+    if not Path(root).is_dir():
+        return -1
+    return max((v for v, p in _versions(Path(root)) if superseded is None or not superseded(version_token(p), v)),
+               default=-1)  # fmt: skip
+
+
+def version_token(path: Path) -> int:
+    """The lease token of the learner that wrote a version (0: none, an earlier build's or unreadable)."""
+    try:
+        return int((path / LEASE_TOKEN_FILE).read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def _versions(root: Path) -> list[tuple[int, Path]]:

@@ -12,7 +12,9 @@
 
 A checkpoint is written under a temporary name, synced to disk (files, then directories) and renamed into place, and
 the rename is synced too: the groups it covers are deleted from Redis right after, so a power loss must not leave a
-renamed checkpoint with empty files. Only the newest ``checkpoint.keep`` stay. A checkpoint that cannot be read back
+renamed checkpoint with empty files. Only the newest ``checkpoint.keep`` stay. Each carries the lease token of the
+learner that wrote it, and one written by a learner after another took the run over is never resumed from and is
+pruned (learner.fencing); ``holders/`` keeps each holder's marker. A checkpoint that cannot be read back
 whole (a file missing, empty or cut short) is set aside as ``step-NNNNNN.damaged`` with one log line, and the learner
 resumes from the newest whole one.
 """
@@ -34,8 +36,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.storage import fsync_dir, fsync_tree, writing
+from common.transport import LeaseLost
 from common.weights import load_into
 from learner.distributed import Ranks
+from learner.fencing import superseded_steps
 
 log = logging.getLogger("learner")
 
@@ -54,6 +58,7 @@ class Resumable:
     covers_groups: list[str] = field(default_factory=list)  # and their group ids
     run_id: str = ""  # the run's identity in Redis (a Redis that no longer holds it lost the run's state)
     epochs: list[list[int]] = field(default_factory=list)  # the lineage: [epoch, step, first version] (learner.lineage)
+    lease_token: int = 0  # the fencing token of the learner that wrote it (learner.fencing); 0: an earlier build's
 
 
 def _optimizer_parts(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -106,6 +111,9 @@ def save(
             # Contents on disk before the name: the caller acknowledges (deletes) the covered groups right after.
             fsync_tree(tmp)
             if final.exists():  # the same step written again after a resume
+                if (theirs := _token(final)) > resumable.lease_token:
+                    raise LeaseLost(f"{final} is a newer learner's (lease token {theirs}): another learner holds the "
+                                    "run")  # fmt: skip
                 shutil.rmtree(final)
             os.rename(tmp, final)
             fsync_dir(root)
@@ -114,9 +122,33 @@ def save(
                 shutil.rmtree(tmp, ignore_errors=True)
     for leftover in root.glob(".tmp-step-*"):  # half-written by a learner that was killed (this one is renamed)
         shutil.rmtree(leftover, ignore_errors=True)
-    for old in sorted(_steps(root))[:-keep]:
-        shutil.rmtree(root / f"step-{old:06d}", ignore_errors=True)
+    _prune(root, keep, resumable.lease_token)
     return final
+
+
+def _prune(root: Path, keep: int, token: int) -> None:
+    """Keep the newest ``keep`` checkpoints that count; remove the rest, and those a learner wrote after a newer one
+    took the run over (learner.fencing); never one of a newer learner than ``token``'s."""
+    superseded = superseded_steps(root)
+    counted: list[int] = []
+    for step in sorted(_steps(root)):
+        t = _token(root / f"step-{step:06d}")
+        if t > token:
+            continue
+        if superseded(t, step):
+            shutil.rmtree(root / f"step-{step:06d}", ignore_errors=True)
+        else:
+            counted.append(step)
+    for old in counted[:-keep]:
+        shutil.rmtree(root / f"step-{old:06d}", ignore_errors=True)
+
+
+def _token(path: Path) -> int:
+    """The lease token a checkpoint was written under (0: none, or unreadable: a damaged one is judged elsewhere)."""
+    try:
+        return int(json.loads((path / "state.json").read_text()).get("lease_token", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 def _write_files(
@@ -143,6 +175,7 @@ def _write_files(
         "covers_groups": resumable.covers_groups,
         "run_id": resumable.run_id,
         "epochs": resumable.epochs,
+        "lease_token": resumable.lease_token,
         "optimizer": opt_meta,
         "scheduler": scheduler.state_dict(),
     }
@@ -156,12 +189,17 @@ def _steps(root: Path) -> list[int]:
 
 
 def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The newest checkpoint that can be read back whole, or None. A newer one that cannot (torn by a crash or a
-    full disk, emptied by a power loss) is renamed ``step-NNNNNN.damaged``, kept for inspection and out of the way of
-    pruning, with one log line naming it: the learner resumes from the one before, whose groups Redis still has."""
+    """The newest checkpoint that counts (learner.fencing) and can be read back whole, or None. A newer one that
+    cannot (torn by a crash or a full disk, emptied by a power loss) is renamed ``step-NNNNNN.damaged``, kept for
+    inspection and out of the way of pruning, with one log line naming it: the learner resumes from the one before,
+    whose groups Redis still has."""
     root = Path(root)
+    superseded = superseded_steps(root)
     for step in sorted(_steps(root), reverse=True):
         path = root / f"step-{step:06d}"
+        if superseded(_token(path), step):  # written by a learner after another took the run over: never resumed
+            log.info("ignoring %s: written by a learner after a newer one took the run over", path)
+            continue
         problem = damage(path)
         if problem is None:
             return path
@@ -172,6 +210,12 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
         log.warning("checkpoint %s is damaged (%s): set aside as %s; resuming from an earlier one", path, problem,
                     aside.name)  # fmt: skip
     return None
+
+
+def step_of(path: Path | None) -> int:
+    """The step of a checkpoint directory (0: None, no checkpoint)."""
+    m = _STEP_DIR.match(path.name) if path is not None else None
+    return int(m.group(1)) if m else 0
 
 
 def damage(path: Path) -> str | None:
@@ -243,6 +287,7 @@ def load(
     return Resumable(
         state["step"], state["version"], state["counters"], state["covers"], state["covers_groups"],
         state.get("run_id", ""), state.get("epochs", []),  # absent in an earlier build's checkpoint
+        int(state.get("lease_token", 0)),
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,8 +35,9 @@ from learner.distributed import Ranks
 from learner.evaluation import Evaluator
 from learner.identity import RunClaim
 from learner.intake import Collected, Intake
+from learner.lease import RunLease
 from learner.progress import Progress
-from learner.publishing import Publisher
+from learner.publishing import Publisher, newest_published
 from learner.record import Record
 from learner.trackers import check_trackers
 from learner.trainer import Trainer, disable_dropout
@@ -54,6 +56,7 @@ class Learner:
         metrics: LearnerMetrics,
         reference: Any = None,
         ranks: Ranks | None = None,
+        stop: threading.Event | None = None,
     ):
         self.cfg = cfg
         # Under torchrun every rank runs this loop; rank 0 alone uses Redis and writes files, the others follow it
@@ -61,9 +64,11 @@ class Learner:
         self.ranks = ranks
         self.is_rank0 = ranks is None or ranks.is_rank0
         self.transport = cast(Transport, transport)
+        # The lease token this learner holds the run with (learner.lease): its checkpoints and versions carry it.
+        self.lease_token = transport.lease_token() if transport is not None else 0
         self.model = model
         self.metrics = metrics
-        self.stop = threading.Event()
+        self.stop = stop or threading.Event()  # set by SIGTERM/SIGINT (see _lead)
         self.progress = Progress()
         stop_ids = stop_token_ids(model, tokenizer)
         pad_id = pad_token_id(tokenizer, stop_ids)
@@ -135,6 +140,7 @@ class Learner:
         p.step += 1
         p.version += 1  # equal to the step, unless a resume skipped versions (see Publisher.continue_versions)
         stats["time/train_s"] = time.perf_counter() - t_train
+        self.still_holding()  # before this step's files: a learner that lost the run writes none
         if p.step % self.cfg.learner.publish_every == 0 or p.step == steps:
             stats |= self.publisher.publish()
         if p.step % self.cfg.learner.eval_every == 0 or p.step == steps:
@@ -153,6 +159,13 @@ class Learner:
             self.record.log_progress(row)
             self.record.raise_alarms(row)
         return now
+
+    def still_holding(self) -> None:
+        """One round trip before the learner writes files: :class:`LeaseLost` if another learner took the run over
+        (Redis refuses its writes anyway; this keeps its files out of the run too, but for an instant's race, which
+        learner.fencing covers)."""
+        if self.is_rank0 and self.lease_token:
+            self.transport.renew_lease()
 
     def settle(self, batch: Collected, stats: dict[str, float]) -> None:
         """The step's groups are trained, and acknowledged by the checkpoint that covers the step, unless none of
@@ -185,7 +198,9 @@ class Learner:
             self.record.sync()
         t0 = time.perf_counter()
         cc, t = self.cfg.checkpoint, self.trainer
-        checkpoint.save(cc.dir, p.resumable(), self.model, t.optimizer, t.scheduler, t.generator, cc.keep, self.ranks)
+        self.still_holding()
+        state = replace(p.resumable(), lease_token=self.lease_token)
+        checkpoint.save(cc.dir, state, self.model, t.optimizer, t.scheduler, t.generator, cc.keep, self.ranks)
         if self.is_rank0:
             self.transport.ack_trained(p.window_ids, p.window_groups, p.step, cc.dedup_window)
         p.window_ids, p.window_groups = [], []
@@ -284,8 +299,35 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
     metrics.run_steps.set(cfg.run.steps)
     transport = Transport(cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc)
     transport.ping()
+    # The run is this learner's before it writes anything of it: a second learner waits (or exits) here.
+    lease = RunLease(cfg, transport, stop := threading.Event())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if not lease.take():
+            log.info("stopped while waiting for run %s", cfg.run.name)
+            return 0
+        return _hold(cfg, ranks, transport, metrics, registry, lease, stop)
+    finally:
+        lease.release()
+        transport.close()
+
+
+def _hold(
+    cfg: Config,
+    ranks: Ranks | None,
+    transport: Transport,
+    metrics: LearnerMetrics,
+    registry: CollectorRegistry,
+    lease: RunLease,
+    stop: threading.Event,
+) -> int:
+    """The run is held: mark it (learner.fencing), keep the lease from a thread, and train."""
     made = not Path(cfg.run.dir).exists()  # a start refused on the user's input removes the directory it made
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    base = checkpoint.latest(cfg.checkpoint.dir)
+    marker = lease.mark(checkpoint.step_of(base), newest_published(cfg, transport))
+    lease.keep()
     write_resolved(cfg, Path(cfg.run.dir) / "config.json")
     lc = cfg.learner
     log.info(
@@ -311,29 +353,26 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
     try:
         tokenizer, model, reference = _models(cfg, ranks)
         metrics.reference_loaded.set(int(reference is not None))
-        learner = Learner(cfg, transport, model, tokenizer, grader, metrics, reference, ranks)
-        stop = learner.stop
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        learner = Learner(cfg, transport, model, tokenizer, grader, metrics, reference, ranks, stop)
         log.info("learner: %d steps, metrics on %s, run dir %s", cfg.run.steps, server.listening, cfg.run.dir)
         return learner.run()
     except ConfigError:
         if made and learner is None:  # refused before training (the task, the chat template): nothing is left
-            _unmake_run_dir(Path(cfg.run.dir), endpoint)
+            _unmake_run_dir(Path(cfg.run.dir), [Path(cfg.run.dir) / "config.json", endpoint, marker])
         raise
     finally:
         if learner is not None:
             learner.close()
         grader.close()
         server.close()
-        transport.close()
 
 
-def _unmake_run_dir(run_dir: Path, endpoint: Path) -> None:
-    """Remove what a refused start wrote in the run directory it made (config.json, its endpoint), then the
-    directory itself once empty: rmdir only, so anything another process wrote there stays."""
-    for f in (run_dir / "config.json", endpoint):
+def _unmake_run_dir(run_dir: Path, files: list[Path]) -> None:
+    """Remove what a refused start wrote in the run directory it made (config.json, its endpoint, its holder marker),
+    then the directories they are in and the run directory itself once empty: rmdir only, so anything another
+    process wrote there stays."""
+    for f in files:
         f.unlink(missing_ok=True)
-    for d in (endpoint.parent, run_dir):
+    for d in [*(p for f in files for p in f.parents if p.is_relative_to(run_dir) and p != run_dir), run_dir]:
         with contextlib.suppress(OSError):
             d.rmdir()

@@ -23,10 +23,28 @@ from common.storage import writing
 from common.transport import Transport
 from common.weights import newest_on_disk, publish, tensors_digest
 from learner.distributed import Ranks
+from learner.fencing import superseded_versions
 from learner.nccl_weights import Broadcaster, Snapshot, snapshot
 from learner.progress import Progress
 
 log = logging.getLogger("learner")
+
+
+def latest_announcement(transport: Transport) -> WeightsAnnouncement | None:
+    try:
+        return transport.latest_weights()
+    except SchemaError as e:  # garbage in weights:latest: this learner's first announcement replaces it
+        log.warning("ignoring weights:latest: %s", e)
+        return None
+
+
+def newest_published(cfg: Config, transport: Transport, announced: WeightsAnnouncement | None = None) -> int:
+    """The highest version announced or left under ``weights.dir`` (-1: none); a version a learner wrote after
+    another took the run over was never announced and does not count (learner.fencing)."""
+    if announced is None:
+        announced = latest_announcement(transport)
+    on_disk = newest_on_disk(cfg.weights.dir, superseded_versions(cfg.checkpoint.dir))
+    return max(-1 if announced is None else announced.version, on_disk)
 
 
 class Publisher:
@@ -58,12 +76,8 @@ class Publisher:
         (a Redis that lost its data no longer says), and a new epoch of the lineage begins there (learner.lineage)."""
         p = self.progress
         if self.ranks is None or self.ranks.is_rank0:
-            try:
-                announced = self.transport.latest_weights()
-            except SchemaError as e:  # garbage in weights:latest: this learner's first announcement replaces it
-                log.warning("ignoring weights:latest: %s", e)
-                announced = None
-            top = max(-1 if announced is None else announced.version, newest_on_disk(self.cfg.weights.dir))
+            announced = latest_announcement(self.transport)
+            top = newest_published(self.cfg, self.transport, announced)
             if top > p.version:
                 epoch = max(p.lineage.current.epoch, 0 if announced is None else announced.epoch) + 1
                 log.info("version %d was published by an earlier learner after the state we start from: continuing "
@@ -130,6 +144,8 @@ class Publisher:
                     prune_in_background=True,
                     state_dict=state,
                     protect=[self._announced],
+                    token=self.transport.lease_token(),
+                    superseded=superseded_versions(self.cfg.checkpoint.dir),
                 )
             self._announce(pub.announcement)
             self._announced = version

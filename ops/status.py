@@ -12,13 +12,14 @@ import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from common.cli import EXIT_USAGE, role_parser
 from common.config import Config, load_config
-from common.schemas import SchemaError, WeightsAnnouncement
-from common.transport import Transport, read_balance
+from common.schemas import LeaseHolder, SchemaError, WeightsAnnouncement
+from common.transport import Transport, lease_line, read_balance
 from ops.query import asking, query_transport, unknown_run_line
 
 
@@ -60,6 +61,7 @@ def _report(cfg: Config, t: Transport) -> dict[str, Any] | None:
         return None
     ann, weights_problem = _announced(t)
     actors = t.live_actors()
+    holder, lease_problem = _holder(t)
     return {
         "run": t.keys.prefix,
         # Balanced counts in a Redis that lost the run's state are not the run's accounting: never "balanced".
@@ -78,6 +80,10 @@ def _report(cfg: Config, t: Transport) -> dict[str, Any] | None:
         "weights_malformed": weights_problem,
         "done": t.is_done(),
         "actors": {k: v.version for k, v in sorted(actors.items())},
+        # The learner that holds the run (learner:lease): None when none does (finished, stopped, or dead past its
+        # lease); a malformed hash is said in words, as weights:latest's is.
+        "learner": None if holder is None else {**asdict(holder), "line": lease_line(holder)},
+        "learner_lease_malformed": lease_problem,
     }
 
 
@@ -89,6 +95,10 @@ def print_status(name: str, r: Mapping[str, Any]) -> None:
     if r["weights_malformed"]:
         print(f"weights:latest is malformed, actors ignore it until the learner's next announcement: "
               f"{r['weights_malformed']}")  # fmt: skip
+    print(
+        f"learner: {r['learner']['line'] if r['learner'] else lease_line(None)}"
+        + (f" (learner:lease is malformed: {r['learner_lease_malformed']})" if r["learner_lease_malformed"] else "")
+    )
     print(r["equation"])
     for line in r["lost"]:
         print(f"NOT WHOLE: {line}")
@@ -144,6 +154,14 @@ def _newest_checkpoint(root: Path) -> tuple[Path, dict] | None:
         if isinstance(state, dict):
             return path, state
     return None
+
+
+def _holder(t: Transport) -> tuple[LeaseHolder | None, str | None]:
+    """The learner that holds the run, or why ``learner:lease`` cannot be read."""
+    try:
+        return t.lease_holder(), None
+    except SchemaError as e:
+        return None, str(e)
 
 
 def _announced(t: Transport) -> tuple[WeightsAnnouncement | None, str | None]:

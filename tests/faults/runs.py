@@ -6,6 +6,7 @@ from pathlib import Path
 
 # A restarted Redis is waited for (backoff at most 1 s, 30 attempts), not given up on.
 PATIENT_REDIS = ("redis.backoff_max_s=1", "redis.retries=30")
+LEASE_TTL_S = 5
 
 
 def run_settings(url: str, model: Path, run_dir: Path, name: str, steps: int, batch: int, *extra: str) -> list[str]:
@@ -22,6 +23,7 @@ def run_settings(url: str, model: Path, run_dir: Path, name: str, steps: int, ba
         "sampling.group_size=4",
         "actor.prompts_per_round=4",
         "run.heartbeat_ttl_s=3",
+        f"run.lease_ttl_s={LEASE_TTL_S}",  # a learner started right after a kill -9 takes the run over within it
         "task.eval_size=5",
         "grader.isolation=inline",
         *extra,

@@ -18,9 +18,10 @@ import pytest
 
 from common.config import RedisConfig
 from common.procs import wait_until
+from common.schemas import LeaseHolder
 from common.transport import Transport, read_balance
 from ops.redis_server import RedisServer
-from tests.faults.runs import PATIENT_REDIS, run_settings
+from tests.faults.runs import LEASE_TTL_S, PATIENT_REDIS, run_settings
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -81,6 +82,7 @@ def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # typ
     learner = start("learner")
     actors = [start("actor"), start("actor")]
     published_at_kill: list[int] = []
+    took_over: list[float] = []
     produced_before_redis = -1
     for at, what in EVENTS:
         ok = wait_until(lambda at=at, p=learner: version() >= at or p.poll() is not None, 240, interval_s=0.1)
@@ -88,8 +90,10 @@ def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # typ
         if what == "learner":
             learner.kill()
             assert learner.wait() == -signal.SIGKILL, _tail(logs)  # it was alive until killed
+            killed_at, lease = t.server_time(), t.lease_holder()
             published_at_kill.append(version())
             learner = start("learner")
+            took_over.append(_takeover(t, killed_at, lease, logs / f"learner-{started['learner']}.log"))
         elif what == "actor":
             i = started["actor"] % 2
             actors[i].kill()
@@ -133,7 +137,19 @@ def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # typ
     assert b.trained == STEPS * BATCH, b.equation()  # a step's groups count once, however often it was retrained
     assert rows[-1]["groups_consumed"] == STEPS * BATCH
     assert b.dead == 0
-    print(b.equation(), b.dropped, "| learner resumed at steps", resumed)
+    print(b.equation(), b.dropped, "| learner resumed at steps", resumed, "| took the run over after (s)", took_over)
+
+
+def _takeover(t: Transport, killed_at: float, lease: LeaseHolder | None, log: Path) -> float:
+    """Seconds from the kill to the new learner taking the run over. One that found the dead one's lease still held
+    (it says it waits) must have taken it within the lease's length of the kill (a few polls of slack)."""
+    assert lease is not None and lease.ttl_s is not None  # the killed learner held the run
+    assert wait_until(lambda: (h := t.lease_holder()) is not None and h.token > lease.token, 120), log.read_text()
+    new = t.lease_holder()
+    assert new is not None
+    if "waiting for run" in log.read_text():
+        assert new.since <= killed_at + lease.ttl_s + LEASE_TTL_S / 6 + 1.0, (new, killed_at, lease)
+    return round(new.since - killed_at, 1)
 
 
 def _tail(logs: Path) -> str:

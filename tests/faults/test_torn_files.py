@@ -39,7 +39,7 @@ def test_a_torn_metrics_row_and_a_damaged_newest_checkpoint(
     first = processes.grpo("learner", *settings(redis_url, tiny_model_dir, run_dir, 6), log=tmp_path / "first.log")
     assert first.wait(timeout=240) == 0, (tmp_path / "first.log").read_text()
     checkpoints = run_dir / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002", "step-000004", "step-000006"]
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000002", "step-000004", "step-000006"]
     assert read_balance(t).trained == 12
 
     # The damage: half of step 7's row, and the newest checkpoint's model file cut short.

@@ -47,6 +47,7 @@ def test_a_killed_learners_lost_steps_are_trained_again_and_its_dead_branch_drop
         f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "run.name=lineage",
         "run.steps=6", "learner.batch_groups=2", "sampling.group_size=4", "task.eval_size=2", "learner.eval_every=1000",
         "learner.max_staleness=1", "checkpoint.every=2",
+        "run.lease_ttl_s=2",  # the second learner, started right after the kill, takes the run over within it
     ]  # fmt: skip
     args = [a for o in settings for a in ("-o", o)]
 
