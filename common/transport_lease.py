@@ -233,7 +233,7 @@ def _lost(e: redis.ResponseError) -> LeaseLost:
 def lease_line(h: LeaseHolder | None) -> str:
     """The holder in words: for ``grpo status`` and for the line of a learner that waits for it."""
     if h is None:
-        return "no learner holds the run (none is training it, or the last one's lease ran out)"
+        return "no learner holds the run (none is training it, or the last one died and its lease ran out)"
     since = datetime.fromtimestamp(h.since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     ttl = "" if h.ttl_s is None else f", its lease ends in {h.ttl_s:.0f}s unless renewed"
     return f"held by {h.who()} since {since}{ttl}"

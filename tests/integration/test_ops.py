@@ -14,6 +14,7 @@ import pytest
 
 from common.config import RedisConfig
 from common.net import free_port
+from common.schemas import LeaseHolder
 from common.transport import Transport, read_balance
 from tests.unit.test_schemas import make_group
 
@@ -56,12 +57,15 @@ def test_read_and_replay_dead_letters(redis_url: str) -> None:
     t.client.hincrby(t.keys.stats, "groups_produced", 1)  # and one the learner dropped as too stale: still balanced
     t.client.hincrby(t.keys.stats, "groups_dropped:stale", 1)
     t.heartbeat("actor-1", 30, {"version": 3})
+    assert "learner: no learner holds the run" in grpo(redis_url, "status").stdout
+    assert t.acquire_lease(LeaseHolder(0, "learner-box-4242-ab", "box", 4242, 0.0), 30, floor=0) is None
     status = grpo(redis_url, "status", "--json")
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["unexplained"] == 0 and report["dead"] == 2 and report["pending"] == 1
     assert report["discarded"] == {"stopped": 4} and report["dropped"] == {"stale": 1}  # --json keeps the dicts
     assert report["published_version"] is None and report["done"] is False
+    assert (report["learner"]["host"], report["learner"]["pid"], report["learner"]["token"]) == ("box", 4242, 1)
 
     # In lines, every figure is in words: no Python reprs of dicts, None or booleans.
     text = grpo(redis_url, "status")
@@ -69,6 +73,11 @@ def test_read_and_replay_dead_letters(redis_url: str) -> None:
     assert "dropped 1 (stale 1)  filtered by actors 5 (zero_std 5)  discarded 4 (stopped 4)" in text.stdout
     assert "published version none yet  learner finished: no" in text.stdout
     assert "1 live actor: actor-1 (v3)" in text.stdout
+    assert re.search(
+        r"learner: held by box pid 4242 \(lease token 1\) since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC, its lease "
+        r"ends in \d+s unless renewed",
+        text.stdout,
+    ), text.stdout
     assert not re.search(r"[{}']|\bNone\b|\bTrue\b|\bFalse\b", text.stdout.replace("grpo:{ops}:", "")), text.stdout
     t.close()
 

@@ -117,3 +117,34 @@ def test_cuda_generator_states_come_back_in_device_order() -> None:
     rng |= {"torch": torch.tensor([100], dtype=torch.uint8), "trainer": torch.tensor([101], dtype=torch.uint8)}
     order = [int(s.item()) for s in checkpoint.cuda_rng_states(dict(sorted(rng.items())))]
     assert order == list(range(12))
+
+
+def test_checkpoints_a_learner_wrote_after_another_took_over_are_never_resumed_nor_kept(
+    trainer: Trainer, tmp_path: Path
+) -> None:
+    """learner.fencing: holder 1 checkpointed steps 2 and 4; holder 2 took the run over from step 4 and wrote 6;
+    holder 1, frozen meanwhile, woke up and wrote 6 and 8. Neither of holder 1's late ones is resumed from, the prune
+    removes them and keeps the newest that count, and holder 1 can replace nothing of holder 2's."""
+    from common.transport import LeaseLost
+    from learner import fencing
+
+    def save_as(token: int, step: int, keep: int = 5) -> Path | None:
+        r = Resumable(step, step, lease_token=token)
+        return checkpoint.save(tmp_path, r, t.model, t.optimizer, t.scheduler, t.generator, keep=keep)
+
+    t = trainer
+    save_as(1, 2), save_as(1, 4)
+    fencing.write_marker(tmp_path, fencing.Marker(1, 0, -1))
+    fencing.write_marker(tmp_path, fencing.Marker(2, 4, 4))
+    assert fencing.floor(tmp_path) == 2
+    save_as(2, 6)
+    with pytest.raises(LeaseLost, match="lease token 2"):  # step 6 is holder 2's: holder 1 cannot replace it
+        save_as(1, 6)
+    assert checkpoint.load(tmp_path / "step-000006", t.model, t.optimizer, t.scheduler, t.generator).lease_token == 2
+    save_as(1, 8, keep=2)  # holder 1's own prune removes it (written after holder 2 took over), and leaves holder 2's
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000004", "step-000006"]
+    (tmp_path / "step-000008").mkdir()  # had it survived, it would still never be resumed from
+    (tmp_path / "step-000008" / "state.json").write_text('{"lease_token": 1}')
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-000006"
+    save_as(2, 10, keep=2)  # holder 2's prune: holder 1's late one goes, the newest two that count stay
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000006", "step-000010"]

@@ -368,7 +368,8 @@ def test_concurrent_publishes_all_succeed_and_the_announced_version_is_kept(
 
     weights_cfg = SimpleNamespace(dir=str(root), keep=2, dtype="model", digest="xxh3-128")
     learner = SimpleNamespace(
-        cfg=SimpleNamespace(weights=weights_cfg),
+        cfg=SimpleNamespace(weights=weights_cfg, checkpoint=SimpleNamespace(dir=str(tmp_path / "checkpoints"))),
+        transport=SimpleNamespace(lease_token=lambda: 1),  # the learner's lease token, which its versions carry
         model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
         tokenizer=None,
         _publish_lock=threading.Lock(),
@@ -403,6 +404,36 @@ def test_the_pruner_keeps_the_version_being_published_whatever_its_number(tiny_m
     assert state
     publish(model, None, root, 6, keep=2, protect=[5])  # the announced one is kept until the next is announced
     assert sorted(p.name for p in root.iterdir()) == ["v000005", "v000006", "v000011", "v000012"]
+
+
+def test_versions_carry_the_learners_token_and_a_superseded_one_never_counts(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """learner.fencing: holder 1 published 1-3; holder 2 took the run over finding version 3 and published 4; holder 1,
+    frozen meanwhile, woke and published 4 (refused: holder 2's) and 5 (written, never announced). Version 5 does not
+    count as published, holder 2's prune removes it, and holder 1's prune never touches holder 2's versions."""
+    from transformers import AutoModelForCausalLM
+
+    from common.transport import LeaseLost
+    from common.weights import newest_on_disk, prune, version_token
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    root = tmp_path / "weights"
+
+    def superseded(token: int, version: int) -> bool:  # holder 2's marker: it found version 3
+        return token < 2 and version > 3
+
+    for v in (1, 2, 3):
+        publish(model, None, root, v, keep=5, token=1)
+    publish(model, None, root, 4, keep=5, token=2, superseded=superseded)
+    assert version_token(root / "v000004") == 2
+    with pytest.raises(LeaseLost, match="lease token 2"):
+        publish(model, None, root, 4, keep=5, token=1, superseded=superseded)
+    publish(model, None, root, 5, keep=1, token=1)  # holder 1 before it sees the marker: prunes only its own
+    assert sorted(p.name for p in root.iterdir()) == ["v000004", "v000005"]
+    assert newest_on_disk(root) == 5 and newest_on_disk(root, superseded) == 4
+    prune(root, keep=1, token=2, superseded=superseded)
+    assert sorted(p.name for p in root.iterdir()) == ["v000004"]
 
 
 def test_the_pruner_removes_only_its_own_or_old_temporary_copies(tiny_model_dir: Path, tmp_path: Path) -> None:
