@@ -160,5 +160,23 @@ def test_a_learner_frozen_past_its_lease_is_fenced_when_it_wakes(demo_model_dir:
     assert rows(run_dir)[-1]["step"] == steps
 
 
+def test_steps_longer_than_the_lease_keep_it(demo_model_dir: Path, redis_url: str, tmp_path: Path,
+                                             processes) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """A thread renews the lease every third of run.lease_ttl_s: steps of 3 s under a lease of 1 s never lose it."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    args = run_settings(redis_url, demo_model_dir, run_dir, "long", 3, BATCH, "run.lease_ttl_s=1",
+                        "learner.min_step_s=3")  # fmt: skip
+    t = Transport(RedisConfig(url=redis_url), "long")
+    learner = processes.grpo("learner", *args, log=logs / "learner.log")
+    actor = processes.grpo("actor", *args, log=logs / "actor.log")
+    assert learner.wait(timeout=240) == 0, _tail(logs)
+    assert actor.wait(timeout=60) == 0, _tail(logs)
+    out = (logs / "learner.log").read_text()
+    assert "holding run long with lease token 1" in out and "had lapsed" not in out, out[-3000:]
+    assert t.lease_holder() is None  # given up at the end: a next learner need not wait
+    assert rows(run_dir)[-1]["step"] == 3
+
+
 def _tail(logs: Path) -> str:
     return "\n".join(f"== {p.name}\n" + p.read_text()[-3000:] for p in sorted(logs.iterdir()))
