@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -78,8 +79,9 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {1, token}
 """
 
-# Renew (ARGV: token, TTL ms, then the holder's fields to write again). 1: renewed; 2: it had lapsed and nobody took
-# over (the counter still says this token, or Redis lost it): taken again; an error reply when another holds it.
+# Renew (ARGV: token, TTL ms, the floor, then the holder's fields to write again). 1: renewed; 2: it had lapsed and
+# nobody took over (the counter still says this token, or Redis lost it, and no holder's marker has a higher one):
+# taken again; an error reply when another holds it or did.
 _RENEW = """
 local held = redis.call('HGET', KEYS[1], 'token')
 if held == ARGV[1] then
@@ -91,8 +93,11 @@ local last = redis.call('GET', KEYS[2])
 if last and last ~= ARGV[1] then
   return redis.error_reply('GRPO_FENCED lease token ' .. last .. ' took the run over')
 end
+if tonumber(ARGV[3]) > tonumber(ARGV[1]) then
+  return redis.error_reply('GRPO_FENCED lease token ' .. ARGV[3] .. ' took the run over (its marker says so)')
+end
 redis.call('SET', KEYS[2], ARGV[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 2
 """
@@ -143,6 +148,9 @@ class Leasing(Connection):
     fence = ""  # this process's lease token ('' until it holds the lease: then every write is fenced)
     holder: LeaseHolder | None = None
     lease_ttl_ms = 0
+    # The highest token a holder of the run ever had, read from its files (learner.fencing): after Redis lost the
+    # counter, a lapsed holder takes its lease again only if no later holder's marker says one took over.
+    lease_floor: Callable[[], int] = staticmethod(lambda: 0)
 
     def acquire_lease(self, holder: LeaseHolder, ttl_s: float, floor: int) -> LeaseHolder | None:
         """Take the run's lease with a token above ``floor`` and every earlier holder's: None once taken (this
@@ -166,7 +174,8 @@ class Leasing(Connection):
         """Extend the lease; True when it had lapsed and was taken again (nobody took over); :class:`LeaseLost`
         when another learner holds the run."""
         assert self.holder is not None
-        args: list[Any] = [self.fence, self.lease_ttl_ms, *(x for kv in self.holder.to_hash().items() for x in kv)]
+        fields = (x for kv in self.holder.to_hash().items() for x in kv)
+        args: list[Any] = [self.fence, self.lease_ttl_ms, self.lease_floor(), *fields]
         try:
             got = self._do(lambda: self._lease_renew_script(keys=[self.keys.lease, self.keys.lease_token], args=args))
         except redis.ResponseError as e:

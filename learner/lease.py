@@ -65,6 +65,7 @@ class RunLease:
             if self.stop.wait(min(max(0.2, ttl / 6), lc.held_wait_s - waited)):
                 return False
         assert self.transport.holder is not None
+        self.transport.lease_floor = lambda: fencing.floor(self.cfg.checkpoint.dir)
         log.info("holding run %s with lease token %d (run.lease_ttl_s %.0fs)", self.cfg.run.name,
                  self.transport.holder.token, ttl)  # fmt: skip
         return True

@@ -150,6 +150,7 @@ class Learner:
         now = time.perf_counter()
         stats |= {"time/step_s": now - last, "time/wait_s": batch.wait_s}
         row = self.record.metrics_row(stats)
+        self.still_holding()  # an evaluation may have taken long: the row is the run's only while this learner holds it
         self.record.write(row)
         # After the row: a checkpoint must never cover a step whose row was not written (a learner killed in
         # between would resume past it and the row would be lost; killed before, it retrains the step).
