@@ -79,7 +79,7 @@ class RunLease:
     # -- keeping it ---------------------------------------------------------------------------------------------
 
     def keep(self) -> None:
-        """Renew from a thread; on loss, interrupt the main thread (see :func:`raise_when_lost`)."""
+        """Renew from a thread; on loss, interrupt the main thread, which raises :class:`LeaseLost` where it is."""
         signal.signal(signal.SIGUSR1, self._raise_lost)
         self._thread = threading.Thread(target=self._renew, name="grpo-lease", daemon=True)
         self._thread.start()
