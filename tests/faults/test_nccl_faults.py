@@ -57,6 +57,9 @@ def test_an_actor_killed_and_one_added_while_weights_go_over_nccl(  # type: igno
         learner = start("learner", "learner")
         actors = {name: start("actor", name) for name in ("a1", "a2")}
         assert wait_until(lambda: version() >= 5, 300), tail()
+        # Kill a2 only once it is a member of the NCCL group: killed while its engine still starts, no round would
+        # ever wait for it and the fallback this test is about would not happen.
+        assert wait_until(lambda: "over NCCL" in (logs / "a2.log").read_text(), 300), tail()
         actors["a2"].send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
         assert actors["a2"].wait(timeout=30) == -signal.SIGKILL, tail()  # type: ignore[attr-defined]
         assert wait_until(lambda: version() >= 10, 300), tail()
