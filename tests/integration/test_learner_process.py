@@ -238,6 +238,7 @@ def test_sigterm_checkpoints_and_a_new_learner_resumes(
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0
     assert "checkpoint written" in (tmp_path / "first.log").read_text()
+    assert t.lease_holder() is None  # SIGTERM gave the run up: the next learner does not wait the lease out
     checkpoints = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000002"]  # every=3: this one is SIGTERM's
     assert read_balance(t).trained == 4
