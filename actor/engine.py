@@ -1,5 +1,5 @@
 """The in-process generation engines and the factory that picks the configured one. Each meets
-:class:`actor.engine_protocol.Engine`: per prompt, ``group_size`` :class:`common.generation.Sample` s (token ids,
+:class:`actor.engine_protocol.Engine`: per prompt, ``group_size`` :class:`common.model.generation.Sample` s (token ids,
 behaviour log-probs at the sampling temperature, finish reason), and it can load a published version.
 
 ``local``: transformers on this process's CPU or GPU (the embedded default). ``sim``: no model at all, random tokens
@@ -20,12 +20,12 @@ import torch
 
 from actor.engine_protocol import Engine
 from common.config import Config
-from common.generation import Sample, generate, pad_token_id, stop_token_ids
 from common.hardware import describe_device, resolve_bf16
-from common.models import load_pretrained
-from common.nccl_weights import Round, abort_group, close_group, open_group, unflatten, wait_for
+from common.model.generation import Sample, generate, pad_token_id, stop_token_ids
+from common.model.loading import load_pretrained
 from common.schemas import WeightsAnnouncement
 from common.weights import WeightsError, load_into, load_state_dict
+from common.weights.nccl import Round, abort_group, close_group, open_group, unflatten, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class LocalEngine:
         self.version = ann.version
         return nbytes
 
-    # weights.transport nccl: the same group and buckets a SGLang server takes (common/nccl_weights.py)
+    # weights.transport nccl: the same group and buckets a SGLang server takes (common/weights/nccl.py)
 
     def join_group(self, rnd: Round, rank_offset: int, timeout_s: float) -> None:
         try:

@@ -1,4 +1,4 @@
-"""What every generation engine is: per prompt, ``n`` :class:`common.generation.Sample` s (token ids, behaviour
+"""What every generation engine is: per prompt, ``n`` :class:`common.model.generation.Sample` s (token ids, behaviour
 log-probs at the sampling temperature, finish reason), a version it can load, and :class:`EngineError` when its
 server fails. The engines (:mod:`actor.engine`, :mod:`actor.sglang_engine`) import this and not each other.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from common.generation import Sample
+from common.model.generation import Sample
 from common.schemas import WeightsAnnouncement
 
 

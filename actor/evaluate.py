@@ -7,12 +7,12 @@
 Without ``--dataset`` it grades the task's held-out problems (the ones ``grpo run`` never uses as RL prompts, the
 same the learner's ``eval/accuracy`` grades). ``--dataset`` (a file, a dataset directory or a hub name) grades the
 rows of ``--split`` of it instead, all of them unless ``--limit``, with the config's field mapping, prompt template
-and chat template (``task.*``). Figures (see common/evaluation.py): ``pass_at_1`` (greedy), ``mean_at_n`` and
+and chat template (``task.*``). Figures (see common/tasks/evaluation.py): ``pass_at_1`` (greedy), ``mean_at_n`` and
 ``pass_at_n`` over ``n`` answers sampled at ``sampling.temperature``.
 
 The engine is ``actor.engine`` (``local`` by default; ``sglang`` serves the model from a SGLang server), the grader
 ``grader.*`` (with ``combine``, its components other than ``format``: an answer is right or wrong, see
-common/evaluation.py). The report (JSON, on stdout and in ``--out``) also lists each problem's scores.
+common/tasks/evaluation.py). The report (JSON, on stdout and in ``--out``) also lists each problem's scores.
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ def evaluate(cfg: Any, n: int) -> dict[str, Any]:
     import torch
 
     from actor.engine import make_engine
-    from common.evaluation import correctness, score_problems, summarise
-    from common.model_import import prepare_model_path
+    from common.model.importing import prepare_model_path
     from common.tasks import PromptEncoder, eval_problems
+    from common.tasks.evaluation import correctness, score_problems, summarise
     from grader.pool import open_grader
 
     torch.set_num_threads(cfg.actor.torch_threads)
@@ -92,7 +92,9 @@ def evaluate(cfg: Any, n: int) -> dict[str, Any]:
     problems = eval_problems(cfg.task, cfg.run.seed)
     t0 = time.perf_counter()
     engine = make_engine(cfg, seed=cfg.run.seed)
-    grader = open_grader(correctness(cfg.grader))  # right or wrong, not the training reward (see common.evaluation)
+    grader = open_grader(
+        correctness(cfg.grader)
+    )  # right or wrong, not the training reward (see common.tasks.evaluation)
     try:
         encode = PromptEncoder(engine.tokenizer, cfg.task)
         scores = score_problems(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import Enum
 
-from common.advantages import group_std, is_zero_std
+from common.grpo.advantages import group_std, is_zero_std
 from common.schemas import FilteredStats
 
 

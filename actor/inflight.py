@@ -22,7 +22,7 @@ from typing import Any
 
 from actor.engine_protocol import Engine
 from common.config import Config
-from common.generation import Sample
+from common.model.generation import Sample
 from common.tasks import Problem
 
 

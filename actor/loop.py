@@ -22,10 +22,10 @@ from actor.engine_protocol import Engine, EngineError
 from actor.filter import Decision, ZeroStdFilter, filtered_stats
 from actor.inflight import InFlight, Round, rounds_in_flight
 from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
-from common.advantages import overlong_penalty
 from common.config import Config
-from common.generation import Sample
+from common.grpo.advantages import overlong_penalty
 from common.metrics import ActorMetrics
+from common.model.generation import Sample
 from common.schemas import (
     FORWARDED,
     Completion,
@@ -425,9 +425,9 @@ class Actor:
         self.transport.produce([], dict(counters), holder=holder, filtered=filtered)
 
     def shaped(self, samples: list[Sample], rewards: list[float]) -> list[float]:
-        """The rewards the learner will compute advantages from (common.advantages.overlong_penalty added), so that a
-        group whose answers are all right but differ in length is not filtered as if it carried no signal. The wire
-        keeps the grader's rewards; the learner applies the same penalty."""
+        """The rewards the learner will compute advantages from (common.grpo.advantages.overlong_penalty added), so
+        that a group whose answers are all right but differ in length is not filtered as if it carried no signal.
+        The wire keeps the grader's rewards; the learner applies the same penalty."""
         s = self.cfg.shaping
         if not s.enabled():
             return rewards

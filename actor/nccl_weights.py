@@ -1,4 +1,4 @@
-"""The actor's side of ``weights.transport: nccl`` (the protocol: common/nccl_weights.py).
+"""The actor's side of ``weights.transport: nccl`` (the protocol: common/weights/nccl.py).
 
 Between two rounds of sampling (never during one: every completion is sampled with one version) the actor looks for a
 round of the learner that names it, says it is ready, and waits for the learner's decision: ``cancel``, and the

@@ -15,8 +15,8 @@ from actor.engine_protocol import Engine, EngineError
 from actor.loop import Actor
 from common.config import Config
 from common.metrics import ActorMetrics, MetricsServer, process_registry, register_endpoint
-from common.model_import import prepare_model_path
-from common.models import max_positions
+from common.model.importing import prepare_model_path
+from common.model.loading import max_positions
 from common.transport import Transport
 from grader.pool import open_grader
 

@@ -32,11 +32,11 @@ from typing import Any, NoReturn
 from actor.engine_protocol import EngineError
 from actor.sglang_server import LaunchedServer
 from common.config import Config
-from common.generation import Sample
 from common.metrics import EngineEvent
-from common.nccl_weights import Round
+from common.model.generation import Sample
 from common.schemas import WeightsAnnouncement
 from common.weights import WeightsError, WeightsMismatch, confined, mismatch, tensor_specs, verify
+from common.weights.nccl import Round
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ class SGLangEngine:
         raise EngineError(f"the SGLang server loaded weights v{version} but refused to flush its prefix cache "
                           f"{sc.flush_attempts} times: it would serve prefixes computed with old weights")  # fmt: skip
 
-    # -- weights over NCCL (actor/nccl_weights.py, common/nccl_weights.py) -------------------------------------------
+    # -- weights over NCCL (actor/nccl_weights.py, common/weights/nccl.py) -------------------------------------------
 
     def _update_call(self, path: str, body: dict[str, Any], timeout_s: float) -> None:
         """A weight-update call: never retried (each one is a step of a collective), bounded by ``timeout_s``."""

@@ -27,9 +27,9 @@ sys.path.insert(0, str(REPO))
 import harness  # noqa: E402
 import torch  # noqa: E402
 
-from common.nccl_weights import Round, assign_ranks, close_group, open_group  # noqa: E402
 from common.net import free_port  # noqa: E402
 from common.weights import publish  # noqa: E402
+from common.weights.nccl import Round, assign_ranks, close_group, open_group  # noqa: E402
 
 TIMEOUT_S = 300.0
 

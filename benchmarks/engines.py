@@ -90,7 +90,7 @@ def cores(threads: int) -> tuple[set[int], set[int]]:
 def case(config: str | None, trials: int, in_flight: list[int], extra: list[str]) -> dict:
     from actor.engine import LocalEngine
     from actor.sglang_engine import SGLangEngine
-    from common.model_import import prepare_model_path
+    from common.model.importing import prepare_model_path
     from ops.tiny_model import ensure_tiny_model
 
     with tempfile.TemporaryDirectory() as run_dir:

@@ -85,7 +85,7 @@ def model_path(setting: Setting) -> Path:
         from ops.tiny_model import ensure_tiny_model
 
         return ensure_tiny_model(seed=0, eval_size=20)
-    from common.model_import import resolve_model_path
+    from common.model.importing import resolve_model_path
 
     return Path(resolve_model_path(setting.cfg(0).model.path))
 
@@ -130,9 +130,9 @@ def trl(setting: Setting, model_dir: Path, steps: int, seed: int, root: Path) ->
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig, GRPOTrainer
 
-    from common.evaluation import score_problems, summarise
-    from common.generation import generate
+    from common.model.generation import generate
     from common.tasks import PromptEncoder, make_task
+    from common.tasks.evaluation import score_problems, summarise
     from grader import builtin
     from grader.pool import open_grader
 

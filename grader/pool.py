@@ -28,8 +28,8 @@ from typing import Any
 import msgpack
 
 from common.config import ConfigError, GraderConfig
-from common.generation import completion_text
 from common.metrics import GraderErrorKind
+from common.model.generation import completion_text
 from common.procs import die_with_parent, stop_process
 from grader import build_grader
 from grader.protocol import HEADER as _HEADER
@@ -173,8 +173,8 @@ class GraderPool:
     def grade_samples(
         self, tokenizer: Any, samples: list[Any], references: list[str], *, require_stop: bool
     ) -> GradeResult:
-        """Rewards of generated samples (``common.generation.Sample``): the grader sees the completion's text without
-        its stop token, and with ``require_stop`` a completion cut off at the length limit scores 0 (it never
+        """Rewards of generated samples (``common.model.generation.Sample``): the grader sees the completion's text
+        without its stop token, and with ``require_stop`` a completion cut off at the length limit scores 0 (it never
         finished its answer)."""
         result = self.grade(
             [

@@ -13,7 +13,7 @@ from itertools import pairwise
 import numpy as np
 import torch
 
-from common.advantages import group_std, is_zero_std
+from common.grpo.advantages import group_std, is_zero_std
 from common.schemas import GroupMessage
 
 

@@ -1,7 +1,7 @@
 """The learner's held-out evaluation: greedy pass@1 on problems never used as RL prompts, graded as the actors grade.
 
-It is the evaluation of ``grpo eval`` (common/evaluation.py), run with the learner's own model; under torchrun every
-rank takes part (the model is sharded), and rank 0 records the result.
+It is the evaluation of ``grpo eval`` (common/tasks/evaluation.py), run with the learner's own model; under torchrun
+every rank takes part (the model is sharded), and rank 0 records the result.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from common.config import Config
-from common.evaluation import score_problems, summarise
-from common.generation import generate
 from common.metrics import LearnerMetrics
+from common.model.generation import generate
 from common.tasks import PromptEncoder, eval_problems
+from common.tasks.evaluation import score_problems, summarise
 from grader.pool import GraderPool
 
 

@@ -1,6 +1,6 @@
 """Files a learner that lost the run may still write, and how every other learner ignores them.
 
-Redis refuses each write of a learner that lost its lease (common.transport_lease), but a file system has no such
+Redis refuses each write of a learner that lost its lease (common.transport.lease), but a file system has no such
 fence: a learner frozen past its lease may wake up and write a checkpoint, or a weights version, before it learns
 that another learner took the run over. So each holder, once it holds the lease and before it writes anything else,
 leaves a marker in ``<checkpoint.dir>/holders/``: its token, and the newest checkpoint step and weights version it

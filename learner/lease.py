@@ -1,7 +1,7 @@
 """One learner per run: the learner takes the run's lease before it writes anything of the run, keeps it from a
 thread, and stops at once when it finds another learner took the run over.
 
-``take``: the lease (common.transport_lease), with ``learner.if_held`` deciding what a learner does while another
+``take``: the lease (common.transport.lease), with ``learner.if_held`` deciding what a learner does while another
 live one holds it (``wait``, saying for whom, at most ``learner.held_wait_s``; or ``exit``): :class:`LeaseHeld`, exit
 code 4. Once held, the holder's marker (learner.fencing) is left before anything else. ``keep``: a thread renews it
 every third of ``run.lease_ttl_s``, so a step or a checkpoint longer than the lease does not lose it; when Redis says

@@ -23,11 +23,11 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from common.config import Config, ConfigError, write_resolved
-from common.evaluation import correctness
-from common.generation import pad_token_id, stop_token_ids
 from common.metrics import LearnerMetrics, MetricsServer, process_registry, register_endpoint
-from common.model_import import prepare_model_path
-from common.models import load_pretrained
+from common.model.generation import pad_token_id, stop_token_ids
+from common.model.importing import prepare_model_path
+from common.model.loading import load_pretrained
+from common.tasks.evaluation import correctness
 from common.transport import Transport
 from grader.pool import GraderPool, open_grader
 from learner import checkpoint

@@ -1,4 +1,4 @@
-"""The learner's side of ``weights.transport: nccl`` (the protocol: common/nccl_weights.py).
+"""The learner's side of ``weights.transport: nccl`` (the protocol: common/weights/nccl.py).
 
 A :class:`Broadcaster` thread on rank 0 takes each version the learner hands it (a CPU snapshot, so training goes on
 meanwhile) and runs a round: it forms a new update group when the members changed or one is not in the group it was
@@ -25,7 +25,10 @@ import torch
 
 from common.config import Config
 from common.metrics import BroadcastFallback, LearnerMetrics
-from common.nccl_weights import (
+from common.net import free_port
+from common.schemas import NcclMember
+from common.transport import Transport
+from common.weights.nccl import (
     Bucket,
     Round,
     abort_group,
@@ -37,9 +40,6 @@ from common.nccl_weights import (
     unflatten,
     wait_for,
 )
-from common.net import free_port
-from common.schemas import NcclMember
-from common.transport import Transport
 
 log = logging.getLogger(__name__)
 

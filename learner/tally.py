@@ -66,7 +66,7 @@ class PolicyStats:
 
     @torch.no_grad()
     def add(self, logp_all: torch.Tensor, logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, rows: torch.Tensor):
-        """``logp_all``: every token's log-prob at the sampling temperature (common.logprobs.scaled_log_softmax),
+        """``logp_all``: every token's log-prob at the sampling temperature (common.grpo.logprobs.scaled_log_softmax),
         as the trainer computed it for the loss; ``logprobs``: the sampled tokens'."""
         self.slices += 1
         m = mask[rows]

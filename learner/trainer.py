@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from common.advantages import group_advantages, overlong_penalty
 from common.config import Config
+from common.grpo.advantages import group_advantages, overlong_penalty
+from common.grpo.logprobs import gather_tokens, scaled_log_softmax
 from common.hardware import describe_device, resolve_bf16
-from common.logprobs import gather_tokens, scaled_log_softmax
 from common.schemas import GroupMessage
 from learner.batch import Batch, assemble, sampled_reward_stats
 from learner.distributed import Ranks

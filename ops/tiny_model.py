@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from common.model_import import cache_dir
+from common.model.importing import cache_dir
 from common.storage import open_to_umask
 
 log = logging.getLogger(__name__)

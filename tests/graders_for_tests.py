@@ -34,7 +34,7 @@ def prints(completion: str, reference: str) -> float:
 
 
 # What a grader worker must not load: torch, and the project's modules that import it.
-HEAVY_MODULES = ("torch", "transformers", "numpy", "common.generation", "common.config", "grader.pool")
+HEAVY_MODULES = ("torch", "transformers", "numpy", "common.model.generation", "common.config", "grader.pool")
 
 
 def no_heavy_modules(completion: str, reference: str) -> float:

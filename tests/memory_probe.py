@@ -23,7 +23,7 @@ def _model(spec: str) -> torch.nn.Module:
             bos_token_id=0, eos_token_id=1, pad_token_id=1,
         )  # fmt: skip
         return LlamaForCausalLM(config).eval()
-    from common.models import load_pretrained
+    from common.model.loading import load_pretrained
 
     return load_pretrained(spec, "float32", "cpu")[1]
 
@@ -33,7 +33,7 @@ def peak_mib() -> float:
 
 
 def main() -> None:
-    from common.generation import generate
+    from common.model.generation import generate
 
     spec, rows, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(2)

@@ -56,7 +56,7 @@ class StandIn:
         weight_version: str = "default",
         busy_s: float = 0.0,
     ):
-        from common.models import load_pretrained
+        from common.model.loading import load_pretrained
 
         self.model_path = model_path
         self.tokenizer, self.model = load_pretrained(model_path, "float32", "cpu")
@@ -97,7 +97,7 @@ class StandIn:
     # -- endpoints ----------------------------------------------------------------------------------------------
 
     def generate(self, body: dict) -> Any:
-        from common.generation import generate
+        from common.model.generation import generate
 
         if ("text" in body) == ("input_ids" in body):
             raise BadRequest("send exactly one of text or input_ids")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.evaluation import summarise
+from common.tasks.evaluation import summarise
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

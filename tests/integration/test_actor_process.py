@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.config import RedisConfig
-from common.logprobs import token_logprobs
+from common.grpo.logprobs import token_logprobs
 from common.procs import wait_until
 from common.schemas import decode_group
 from common.transport import Transport

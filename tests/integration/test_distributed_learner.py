@@ -27,8 +27,8 @@ GROUP, BATCH, STEPS = 4, 4, 3
 
 def sampled_groups(model_dir: Path, n: int) -> list[bytes]:
     """Groups the tiny model itself sampled (real behaviour log-probs, lengths that differ), rewards 1, 0, 1, 0."""
-    from common.generation import generate, stop_token_ids
-    from common.models import load_pretrained
+    from common.model.generation import generate, stop_token_ids
+    from common.model.loading import load_pretrained
 
     tok, model = load_pretrained(str(model_dir), "float32", "cpu")
     torch.manual_seed(0)

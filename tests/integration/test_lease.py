@@ -1,4 +1,4 @@
-"""The learner's lease and fence (common.transport_lease) against a real redis-server: one holder at a time, tokens
+"""The learner's lease and fence (common.transport.lease) against a real redis-server: one holder at a time, tokens
 that grow, and every write of a learner that lost the run refused by Redis, leaving every key as it was."""
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class _named:
 def test_each_script_name_is_one_script() -> None:
     """The transport's parts share one object: two scripts under one attribute name, in two parts, would run the
     first part's for both (a lease renewal once ran the reservations' script)."""
-    from common.transport_connection import Lua
+    from common.transport.connection import Lua
 
     seen: dict[str, str] = {}
     for part in Transport.__mro__:

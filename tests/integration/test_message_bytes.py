@@ -77,7 +77,7 @@ def test_a_restart_takes_over_pending_entries_by_id_and_reads_them_in_pages(redi
 
 
 def test_the_default_limit_follows_the_models_limits(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    from common.models import max_positions
+    from common.model.loading import max_positions
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "sampling.max_new_tokens=64"], env={})
     positions = max_positions(str(tiny_model_dir))

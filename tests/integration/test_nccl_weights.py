@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from common.config import Config, RedisConfig
 from common.metrics import LearnerMetrics
-from common.models import load_pretrained
+from common.model.loading import load_pretrained
 from common.net import free_port
 from common.procs import wait_until
 from common.transport import Transport

@@ -1,4 +1,4 @@
-"""The run's state as a real Redis holds it, read back through the wire module's forms (common.schemas_state): what
+"""The run's state as a real Redis holds it, read back through the wire module's forms (common.schemas.state): what
 the transport and its Lua scripts write is exactly what the forms read, field by field."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from common.schemas import (
     weights_wakeup,
 )
 from common.transport import Admission, Transport
-from common.transport_delivery import ReadLimits
+from common.transport.delivery import ReadLimits
 
 pytestmark = pytest.mark.integration
 

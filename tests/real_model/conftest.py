@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from common.model_import import cached_path
+from common.model.importing import cached_path
 from tests.conftest import REPO
 
 RECIPE = REPO / "configs" / "smollm2-cpu.yaml"

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from actor.sglang_engine import SGLangEngine, generate_request
-from common.logprobs import token_logprobs
-from common.models import load_pretrained
+from common.grpo.logprobs import token_logprobs
+from common.model.loading import load_pretrained
 from common.weights import WeightsError, publish
 from tests.conftest import wrong_shaped_copy
 from tests.sglang_standin import StandIn

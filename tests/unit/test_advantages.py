@@ -1,5 +1,5 @@
-"""common.advantages.group_advantages against the seed's worked example and a plain loop, and
-common.logprobs.token_logprobs."""
+"""common.grpo.advantages.group_advantages against the seed's worked example and a plain loop, and
+common.grpo.logprobs.token_logprobs."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from common.advantages import group_advantages
-from common.logprobs import token_logprobs
+from common.grpo.advantages import group_advantages
+from common.grpo.logprobs import token_logprobs
 
 
 def test_seed_table() -> None:
@@ -92,9 +92,9 @@ def test_token_logprobs_use_the_temperature_scaled_distribution() -> None:
 
 def test_the_design_documents_import_path_is_the_same_function() -> None:
     """DESIGN names ``common.grpo.group_advantages`` as the public import: it is the very function, not a copy."""
-    import common.advantages as advantages
     import common.grpo as grpo
-    import common.logprobs as logprobs
+    import common.grpo.advantages as advantages
+    import common.grpo.logprobs as logprobs
 
     assert grpo.group_advantages is advantages.group_advantages
     assert grpo.token_logprobs is logprobs.token_logprobs

@@ -18,7 +18,7 @@ from learner.trainer import Trainer
 
 @pytest.fixture(scope="module")
 def trainer(tiny_model_dir: Path) -> Trainer:
-    from common.models import load_pretrained
+    from common.model.loading import load_pretrained
 
     _, model = load_pretrained(str(tiny_model_dir), "float32", "cpu")
     return Trainer(load_config(overrides=["sampling.group_size=4"], env={}), model, pad_id=0)

@@ -268,7 +268,7 @@ def test_a_hub_name_that_cannot_be_fetched_fails_at_once(tmp_path: Path, monkeyp
     import socket
     import time
 
-    from common.model_import import check_hub_model
+    from common.model.importing import check_hub_model
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -313,7 +313,7 @@ class _Hub(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_hub_name_is_checked_against_what_the_hub_has(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from common.model_import import check_hub_model
+    from common.model.importing import check_hub_model
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
     threading.Thread(target=server.serve_forever, daemon=True).start()

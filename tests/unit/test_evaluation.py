@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.config import load_config
-from common.evaluation import correctness, summarise
+from common.tasks.evaluation import correctness, summarise
 from grader.pool import GraderPool
 
 COMBINE = ["grader.name=combine", "grader.components=[{name: gsm8k, weight: 0.9}, {name: format, weight: 0.1}]"]

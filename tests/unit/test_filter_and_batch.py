@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from actor.filter import Decision, ZeroStdFilter, filtered_stats
-from common.advantages import group_std, is_zero_std
+from common.grpo.advantages import group_std, is_zero_std
 from common.schemas import Completion, FilteredStats, GroupMessage
 from learner.batch import assemble, sampled_reward_stats
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.generation import generate, split_at_stop, stop_token_ids
-from common.logprobs import token_logprobs
+from common.grpo.logprobs import token_logprobs
+from common.model.generation import generate, split_at_stop, stop_token_ids
 
 
 def test_tiny_model_reloads_offline_with_auto_classes(tiny_model_dir: Path) -> None:
@@ -41,7 +41,7 @@ def test_split_at_stop() -> None:
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
-    from common.models import load_pretrained
+    from common.model.loading import load_pretrained
 
     tok, model = load_pretrained(str(tiny_model_dir), "float32", "cpu")
     return model, tok
@@ -116,7 +116,7 @@ def test_the_tiny_model_is_readable_by_other_users_and_kept_when_asked(tmp_path:
 def test_warm_start_leaves_the_demo_model_at_its_documented_starting_point(demo_model_dir: Path) -> None:
     import json
 
-    from common.models import load_pretrained
+    from common.model.loading import load_pretrained
     from common.tasks import addition_task
     from ops.tiny_model import accuracy
 

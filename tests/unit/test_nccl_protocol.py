@@ -1,4 +1,4 @@
-"""The pure pieces of weights over NCCL (common/nccl_weights.py): bucket plans, SGLang's flattened-bucket layout, the
+"""The pure pieces of weights over NCCL (common/weights/nccl.py): bucket plans, SGLang's flattened-bucket layout, the
 round's wire form, rank offsets; and the request bodies of the update-group calls against the fields SGLang's own
 request structs declare (read from the installed wheel's source, where it is installed)."""
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.nccl_weights import Bucket, Round, assign_ranks, flatten, plan_buckets, unflatten
+from common.weights.nccl import Bucket, Round, assign_ranks, flatten, plan_buckets, unflatten
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:
@@ -130,7 +130,7 @@ def test_update_group_requests_carry_the_fields_sglang_declares() -> None:
 
 
 def test_a_snapshot_holds_the_model_once_and_falls_back_to_disk_whole(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from common.models import load_pretrained
+    from common.model.loading import load_pretrained
     from common.weights import load_state_dict, publish
     from learner.nccl_weights import snapshot
 
@@ -164,8 +164,8 @@ def _listeners(port: int) -> list[str]:
 def test_the_learners_rendezvous_listens_on_its_address_alone() -> None:
     """weights.nccl_address 127.0.0.1: the update group's store takes connections from this machine only (torch's
     own store listens on every interface)."""
-    from common.nccl_weights import close_group, open_group
     from common.net import free_port
+    from common.weights.nccl import close_group, open_group
 
     port = free_port()
     pg = open_group(address="127.0.0.1", port=port, world_size=1, rank=0, group_name="bind-test", backend="gloo",

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from common.advantages import overlong_penalty
+from common.grpo.advantages import overlong_penalty
 from learner.alarms import Alarms
 from learner.loss import importance_weights
 from learner.schedule import lr_factor

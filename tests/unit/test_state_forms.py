@@ -1,4 +1,4 @@
-"""The wire module's forms of the run's state in Redis (common.schemas_state): the counters, the run's identity, the
+"""The wire module's forms of the run's state in Redis (common.schemas.state): the counters, the run's identity, the
 done mark, a dead letter, a reservation and the weights channel's message. Each one's bytes are pinned to what the
 transport wrote before the forms existed, each round-trips, a malformed value is one SchemaError naming what is
 wrong, and the Lua scripts that write some of them name only fields the forms read."""
@@ -141,7 +141,7 @@ def test_a_malformed_dead_letter_is_one_schema_error(change: dict[bytes, bytes |
 
 
 def _lua_scripts() -> str:
-    return "\n".join(p.read_text() for p in sorted(COMMON.glob("transport*.py")))
+    return "\n".join(p.read_text() for p in sorted((COMMON / "transport").glob("*.py")))
 
 
 def test_the_scripts_count_only_what_the_counters_form_reads() -> None:

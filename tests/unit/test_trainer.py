@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.advantages import group_advantages, overlong_penalty
 from common.config import load_config
+from common.grpo.advantages import group_advantages, overlong_penalty
 from common.schemas import Completion, GroupMessage
 from learner.batch import assemble
 from learner.trainer import Trainer
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)
 
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
-    from common.models import load_pretrained
+    from common.model.loading import load_pretrained
 
     tok, model = load_pretrained(str(tiny_model_dir), "float32", "cpu")
     return tok, model
@@ -31,7 +31,7 @@ def policy(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
 
 def groups_of(tok, model, versions: list[int], group: int = 4, truncated: bool = False) -> list[GroupMessage]:  # type: ignore[no-untyped-def]
     """Groups of completions the model itself sampled (real behaviour log-probs), rewards 1, 0, 1, 0, ..."""
-    from common.generation import generate, stop_token_ids
+    from common.model.generation import generate, stop_token_ids
 
     torch.manual_seed(0)
     prompts = [tok(f"{i}+{i + 1}=").input_ids for i in range(len(versions))]

@@ -10,7 +10,7 @@ import pytest
 
 from common.schemas import Bucket, Heartbeat, NcclDecision, NcclMember, Round, SchemaError
 
-# What the transport and the NCCL protocol (common.nccl_weights) wrote before these forms existed (json.dumps
+# What the transport and the NCCL protocol (common.weights.nccl) wrote before these forms existed (json.dumps
 # of the same dicts).
 HEARTBEAT = '{"pid": 123, "at": 1700000000.5, "version": 2, "groups_sent": 10, "rounds": 3}'
 MEMBER = '{"ranks": 2, "nonce": "n1", "group": null, "at": 1700000000.25}'

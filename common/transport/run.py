@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import redis
 
 from common.schemas import PRODUCED, DoneMark, RunCounters, RunIdentity, WeightsAnnouncement, as_text, weights_wakeup
-from common.transport_admission import UNREAD
-from common.transport_connection import CONSUMER_GROUP, Lua
-from common.transport_lease import Leasing
+from common.transport.admission import UNREAD
+from common.transport.connection import CONSUMER_GROUP, Lua
+from common.transport.lease import Leasing
 
 
 @dataclass(frozen=True)

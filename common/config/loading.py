@@ -17,8 +17,8 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from common.config_tree import Config
-from common.config_yaml import read_yaml
+from common.config.tree import Config
+from common.config.yaml12 import read_yaml
 
 
 class ConfigError(ValueError):

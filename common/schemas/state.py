@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from common.schemas_fields import SchemaError, as_text
+from common.schemas.fields import SchemaError, as_text
 
 # --- the durable counters (hash ``stats``; DESIGN §4's accounting equation is read from them) -------------------
 
@@ -169,7 +169,7 @@ class LeaseHolder:
     """The learner that holds the run (learner → hash ``learner:lease``, with a TTL, → a second learner, which waits
     for it or exits, and ``grpo status``): its fencing ``token`` (it grows with every new holder), ``holder`` (the
     process's own id, unique per start), ``host``, ``pid`` and ``since`` (Redis's clock when it took the run). Written
-    whole by the lease's script (common.transport_lease); ``ttl_s`` is not a field: the key's TTL, read with it."""
+    whole by the lease's script (common.transport.lease); ``ttl_s`` is not a field: the key's TTL, read with it."""
 
     token: int
     holder: str
@@ -221,7 +221,7 @@ class DoneMark:
 
 # --- a dead letter (an entry of the stream ``dead``: learner or Redis → ``grpo dead``) ---------------------------
 
-# The entry's fields, in the order the scripts write them (common.transport_dead and _delivery).
+# The entry's fields, in the order the scripts write them (common.transport.dead and _delivery).
 DEAD_LETTER_FIELDS = ("reason", "payload", "source_id", "at", "size", "truncated")
 
 
@@ -276,7 +276,7 @@ class Reservation:
     """Room an actor holds for a round it samples (actor → hash ``inflight``, field: the actor's id, or ``<id>/<slot>``
     for its other rounds in flight (actor/inflight.py) → every actor's admission script): ``<groups> <lease end>``,
     the round's groups and the end of the lease in milliseconds of Redis's clock. Written and read inside the
-    admission scripts (common.transport_admission), whose pattern ``^(%d+) (%d+)$`` is this form's: reserving removes
+    admission scripts (common.transport.admission), whose pattern ``^(%d+) (%d+)$`` is this form's: reserving removes
     a value that does not match, as it removes an expired one (renewing one that does not match counts it as 0
     groups until then)."""
 

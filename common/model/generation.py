@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from common.logprobs import scaled_log_softmax
+from common.grpo.logprobs import scaled_log_softmax
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,8 @@ class SampledLogprobs:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[1] > self.prompt_width:
             self._gather(input_ids[:, -1])
-        # The learner's definition of a token's log-prob (common.logprobs): the ratio's two sides must be one function.
+        # The learner's definition of a token's log-prob (common.grpo.logprobs): the ratio's two sides must be one
+        # function.
         self.pending = scaled_log_softmax(scores, self.temperature)
         return scores
 

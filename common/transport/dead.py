@@ -10,9 +10,9 @@ from typing import Any
 import redis
 
 from common.schemas import DeadLetter, as_text
-from common.transport_connection import CONSUMER_GROUP, Lua
-from common.transport_delivery import DEAD_PREFIX_BYTES, StreamEntry
-from common.transport_lease import Fenced, Leasing
+from common.transport.connection import CONSUMER_GROUP, Lua
+from common.transport.delivery import DEAD_PREFIX_BYTES, StreamEntry
+from common.transport.lease import Fenced, Leasing
 
 _DEAD_LETTER = """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])

@@ -44,13 +44,13 @@ the decoder still reads it, so groups left in a stream by an older build are tra
 ``Heartbeat`` (actor → Redis string ``actors:<id>``, with a TTL → ``grpo status``, ``grpo run``'s view, the learner)
     JSON ``{"pid", "at", "version", "groups_sent", "rounds"}`` (the last three optional).
 
-Weights over NCCL (learner ⇄ actors, through Redis; the protocol is common.nccl_weights's)
+Weights over NCCL (learner ⇄ actors, through Redis; the protocol is common.weights.nccl's)
     ``NcclMember`` (actor → hash ``nccl:members``): JSON ``{"ranks", "nonce", "group", "at"}``, ``at`` on Redis's
     clock. ``Round`` (learner → ``nccl:round``): compact JSON of the round and its ``Bucket``s (names, dtypes,
     shapes); its id is ``<session>:<seq>``, what members write to ``nccl:ready``. ``NcclDecision`` (learner →
     ``nccl:state``): ``<round id>:<join|go|cancel>``.
 
-The run's state in Redis (common.schemas_state)
+The run's state in Redis (common.schemas.state)
     ``RunCounters`` (hash ``stats``: ``groups_produced``, ``groups_trained``, ``groups_dead``,
     ``groups_replayed``, ``zero_std_forwarded`` and ``groups_<dropped|filtered|discarded>:<reason>``, each an
     integer; :func:`counter` names the last),
@@ -60,9 +60,9 @@ The run's state in Redis (common.schemas_state)
     write these forms, and tests read what they wrote back through them. ``prompts:cursor`` is a plain integer
     (INCRBY), and ``trained_ids`` a sorted set of group ids scored by learner step.
 
-The forms live in four files behind this one: the group message's types and encoding (common.schemas_group), its
-decoding and validation (common.schemas_decode), the small forms above it (common.schemas_control) and the run's
-state (common.schemas_state); the field checks they share are in common.schemas_fields. Import them from here.
+The forms live in three modules behind this face: the group message's types, encoding, decoding and validation
+(common.schemas.group), the small forms above it (common.schemas.control) and the run's
+state (common.schemas.state); the field checks they share are in common.schemas.fields. Import them from here.
 
 A payload that fails here raises :class:`SchemaError` with a one-line reason; the learner moves it to the ``dead``
 stream with that reason and the raw bytes.
@@ -70,7 +70,7 @@ stream with that reason and the raw bytes.
 
 from __future__ import annotations
 
-from common.schemas_control import (
+from common.schemas.control import (
     DIGEST_HEX_LENGTHS,
     DTYPE_SIZES,
     DTYPES,
@@ -83,9 +83,8 @@ from common.schemas_control import (
     Round,
     WeightsAnnouncement,
 )
-from common.schemas_decode import decode_group
-from common.schemas_fields import SchemaError, as_text
-from common.schemas_group import (
+from common.schemas.fields import SchemaError, as_text
+from common.schemas.group import (
     FINISH_REASONS,
     LOGPROB_FLOOR,
     READABLE_VERSIONS,
@@ -95,9 +94,10 @@ from common.schemas_group import (
     FilteredStats,
     FinishReason,
     GroupMessage,
+    decode_group,
     encode_group,
 )
-from common.schemas_state import (
+from common.schemas.state import (
     COUNTER_KINDS,
     DEAD,
     DEAD_LETTER_FIELDS,

@@ -1,5 +1,5 @@
 """Who is there (part of common.transport): actors' heartbeats, and the members and rounds of weights over NCCL
-(the protocol is common.nccl_weights's). Every value is one of the wire module's forms (common.schemas)."""
+(the protocol is common.weights.nccl's). Every value is one of the wire module's forms (common.schemas)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from typing import Any, cast
 
 from common.schemas import Heartbeat, NcclDecision, NcclDecisionName, NcclMember, Round, SchemaError, as_text
-from common.transport_lease import Fenced, Leasing
+from common.transport.lease import Fenced, Leasing
 
 # Remove a hash field only if it still holds the value read: a member that re-registered meanwhile stays.
 _HDEL_IF = """

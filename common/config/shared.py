@@ -1,6 +1,7 @@
 """The config tree's shared sections: those more than one role reads (a role reads only its own section and these).
 
-The roles' own sections are in :mod:`common.config_roles`, the tree that holds them all in :mod:`common.config_tree`.
+The roles' own sections are in :mod:`common.config.actor` and :mod:`common.config.learner`, the tree that holds them
+all in :mod:`common.config.tree`.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    # What each key means in detail, and how a row becomes a prompt: common/tasks.py's docstring.
+    # What each key means in detail, and how a row becomes a prompt: common/tasks/problems.py's docstring.
     name: Literal["addition", "arithmetic", "dataset"] = Field(
         "addition",
         description="addition: the demo's single-digit sums; arithmetic: a op b over task.operands; dataset: "

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, cast
 
-from common.schemas_fields import SchemaError, as_text, integer, json_map, keys_of, number, text
+from common.schemas.fields import SchemaError, as_text, integer, json_map, keys_of, number, text
 
 # The digests a version may be announced with, and the length of each one's hex form.
 DIGEST_HEX_LENGTHS = {"xxh3-128": 32, "sha256": 64}
@@ -134,7 +134,7 @@ class Heartbeat:
         return cls(integer(d["pid"], "heartbeat.pid"), number(d["at"], "heartbeat.at", 0.0), **counts)
 
 
-# --- weights over NCCL (common.nccl_weights has the protocol) ---------------------------------------------------
+# --- weights over NCCL (common.weights.nccl has the protocol) ---------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import redis
 from redis.commands.core import Script
 
 from common.schemas import LeaseHolder, as_text
-from common.transport_connection import Connection, Lua
+from common.transport.connection import Connection, Lua
 
 log = logging.getLogger("common.transport")
 

@@ -11,7 +11,7 @@ import redis
 
 from common.config import Config
 from common.schemas import FilteredStats, as_text
-from common.transport_connection import CONSUMER_GROUP, Connection, Lua
+from common.transport.connection import CONSUMER_GROUP, Connection, Lua
 
 # Unread entries: XLEN minus the consumer group's pending count (no group yet: all of them).
 _UNREAD_LUA = """
@@ -119,7 +119,7 @@ def message_byte_limit(cfg: Config) -> int:
 
 
 def _positions(path: str) -> int | None:
-    from common.models import max_positions
+    from common.model.loading import max_positions
 
     try:
         return max_positions(path)

@@ -16,17 +16,20 @@ take those words, as pydantic reads them.
 Invalid values raise :class:`ConfigError` whose message is one line per problem, naming the field; the CLI prints it
 and exits with code 2. The resolved tree is written to ``<run.dir>/config.json``.
 
-This module is the config's one import path; the code lives beside it, by what it holds:
-:mod:`common.config_sections` (the shared sections), :mod:`common.config_roles` (the actor's and the learner's),
-:mod:`common.config_tree` (the tree and its cross-section checks), :mod:`common.config_yaml` (the YAML 1.2 reader),
-:mod:`common.config_loading` (files, environment, overrides, errors), :mod:`common.config_checks` (the model path and
-device on this machine) and :mod:`common.config_reference` (docs/configuration.md and ``grpo config --keys``).
+This package's face is the config's one import path; the code lives in it, by what it holds:
+:mod:`common.config.shared` (the sections every role reads), :mod:`common.config.actor` (the actor's ``actor`` and
+``sglang``), :mod:`common.config.learner` (the learner's ``learner`` and ``checkpoint``),
+:mod:`common.config.tree` (the tree and its cross-section checks), :mod:`common.config.yaml12` (the YAML 1.2 reader),
+:mod:`common.config.loading` (files, environment, overrides, errors), :mod:`common.config.checks` (the model path and
+device on this machine) and :mod:`common.config.reference` (docs/configuration.md and ``grpo config --keys``).
 """
 
 from __future__ import annotations
 
-from common.config_checks import check_device, check_engine, check_model_path
-from common.config_loading import (
+from common.config.actor import SGLANG_CPU_ARGS, ActorConfig, SGLangConfig
+from common.config.checks import check_device, check_engine, check_model_path
+from common.config.learner import AdvantageConfig, CheckpointConfig, LearnerConfig
+from common.config.loading import (
     ENV_KEYS,
     MOVED,
     ConfigError,
@@ -35,16 +38,8 @@ from common.config_loading import (
     parse_override,
     write_resolved,
 )
-from common.config_reference import key_rows, reference_markdown
-from common.config_roles import (
-    SGLANG_CPU_ARGS,
-    ActorConfig,
-    AdvantageConfig,
-    CheckpointConfig,
-    LearnerConfig,
-    SGLangConfig,
-)
-from common.config_sections import (
+from common.config.reference import key_rows, reference_markdown
+from common.config.shared import (
     GraderComponent,
     GraderConfig,
     MetricsConfig,
@@ -57,8 +52,8 @@ from common.config_sections import (
     WeightsConfig,
     template_fields,
 )
-from common.config_tree import Config, mask_url
-from common.config_yaml import YamlLoader, read_yaml
+from common.config.tree import Config, mask_url
+from common.config.yaml12 import YamlLoader, read_yaml
 
 __all__ = [
     "ENV_KEYS",
@@ -95,6 +90,3 @@ __all__ = [
     "template_fields",
     "write_resolved",
 ]
-
-if __name__ == "__main__":
-    print(reference_markdown())

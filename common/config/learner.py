@@ -1,5 +1,6 @@
-"""The config tree's role sections: the actor's (``actor``, ``sglang``) and the learner's (``learner``,
-``checkpoint``). No other role reads them; what two roles need lives in :mod:`common.config_sections`.
+"""The learner's sections of the config tree: ``learner`` (the optimiser, batches, staleness, evaluation),
+``learner.advantage`` and ``checkpoint``. The actors never read them; what two roles need lives in
+:mod:`common.config.shared`.
 """
 
 from __future__ import annotations
@@ -8,116 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from common.config_sections import Section
-
-
-class ActorConfig(Section):
-    id: str = Field("", description="empty = <hostname>-<pid>")
-    engine: Literal["local", "sim", "sglang"] = Field(
-        "local",
-        description="generation engine: local = transformers in-process; sglang = a SGLang server (see sglang.*); "
-        "sim = random tokens, for load tests",
-    )
-    sim_tokens_per_s: float = Field(2000.0, gt=0, description="sim engine: tokens per second it produces")
-    synchronous: bool = Field(
-        False,
-        description="after each round, wait for a newer weights version before sampling again: a synchronous RL "
-        "loop, the baseline of benchmarks/overlap.py (B1); off = the asynchronous pipeline. Needs rounds that fill "
-        "a batch (actor.prompts_per_round >= learner.batch_groups, actor.filter_zero_std off) and one actor, or the "
-        "learner would wait for groups that actors waiting for its weights never send",
-    )
-    prompts_per_round: int = Field(16, ge=1, description="prompts generated together in one engine call")
-    filter_zero_std: bool = Field(True, description="DAPO dynamic sampling: drop groups whose rewards are all equal")
-    max_consecutive_filtered: int = Field(
-        64,
-        ge=1,
-        description="after this many filtered groups in a row, the next zero-std group is sent, flagged",
-    )
-    max_stream_groups: int = Field(
-        0,
-        ge=0,
-        description="backpressure: actors wait while the stream holds this many unread groups; 0 = 2 x batch_groups "
-        "(fewer still when the learner could not train them within learner.max_staleness)",
-    )
-    stop_send_timeout_s: float = Field(
-        60.0,
-        ge=0,
-        description="on SIGTERM, how long an actor waits for room in the stream to send the round in hand whole; "
-        "past it the round is discarded and counted as groups_discarded:stopped (keep it under the supervisor's "
-        "grace period)",
-    )
-    torch_threads: int = Field(1, ge=1, description="torch CPU threads of each actor process")
-    autocast: Literal["off", "bfloat16", "auto"] = Field(
-        "off",
-        description="the local engine's forward passes in bfloat16 (weights stay in model.dtype); auto: bfloat16 "
-        "where the device computes it natively (a GPU; a CPU with AMX or AVX512-BF16), off elsewhere; the actor's "
-        "log says which it took. SGLang's CPU kernels compute in bfloat16 whatever this says",
-    )
-
-
-# SGLang's CPU backend as it runs with its CPU kernel: its default attention backend (intel_amx) needs a newer kernel
-# than the one SGLang 0.5.23 was released with (the release that matches the kernel, 0.5.17, was a fifth faster with
-# it in B6, but its scheduler dies on a weight update whose cache flush finds requests running, which 0.5.23 answers
-# with HTTP 400), float32 has no rmsnorm kernel and `auto` would load an fp32 checkpoint as float16 (log-probs off by
-# nats), the overlap scheduler is GPU-only, the KV cache takes a fraction of the machine's memory, not of a GPU's, and
-# an idle scheduler would otherwise poll at 100 % of a core, which the learner and the other actors on the same CPUs
-# need.
-SGLANG_CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "bfloat16",
-                   "--disable-overlap-schedule", "--mem-fraction-static", "0.05", "--sleep-on-idle")  # fmt: skip
-
-
-class SGLangConfig(Section):
-    url: str = Field(
-        "", description="a running SGLang server, http://host:30000; empty = the actor launches one as its child"
-    )
-    python: str = Field(
-        "",
-        description="the interpreter that launches the server (SGLang pins its own torch, so it has a venv of its "
-        "own); empty = .venv-sglang/bin/python of this checkout when scripts/sglang_env.sh made it, else this "
-        "process's interpreter (SGLang's image); env GRPO_SGLANG_PYTHON",
-    )
-    launch_module: str = Field(
-        "sglang.launch_server", description="module run as `python -m MODULE --model-path ... --port ...` to launch"
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="where a launched server runs: auto = cuda when this process sees a GPU, else cpu"
-    )
-    cpu_args: list[str] = Field(
-        default_factory=lambda: list(SGLANG_CPU_ARGS),
-        description="launch arguments on the CPU (with SGLANG_USE_CPU_ENGINE=1 in its environment): SGLang's CPU "
-        "backend with the attention and dtype its CPU kernel supports, and a small KV cache",
-    )
-    launch_args: list[str] = Field(
-        default_factory=list, description="extra launch arguments, e.g. [--mem-fraction-static, '0.8']"
-    )
-    cpu_preload: bool = Field(
-        True,
-        description="on the CPU, LD_PRELOAD what SGLang's CPU recipe runs with, where installed: Intel's OpenMP "
-        "(libiomp5 of the server's venv, pip's intel-openmp) and the tcmalloc and TBB allocators (Debian's "
-        "libtcmalloc-minimal4, libtbbmalloc2); scripts/sglang_env.sh installs them",
-    )
-    rounds_in_flight: int = Field(
-        2,
-        ge=1,
-        description="rounds an actor keeps generating at once on its server (each with its own reservation of "
-        "room): the server batches them continuously, and the actor grades and sends one while the others "
-        "generate; 1 = one round at a time (see B6 in the README for the figures per CPU kind)",
-    )
-    requests: Literal["n", "separate"] = Field(
-        "n",
-        description="n: one request per prompt with sampling_params.n (one prefill); separate: the prompt repeated "
-        "once per sample in a batch",
-    )
-    ready_timeout_s: float = Field(900.0, gt=0, description="how long to wait for /health after connecting or launch")
-    timeout_s: float = Field(600.0, gt=0, description="HTTP time limit of one /generate or weight update")
-    retries: int = Field(5, ge=0, description="attempts per request on connection errors and 5xx, with backoff")
-    flush_attempts: int = Field(
-        5,
-        ge=1,
-        description="a server that loaded new weights but could not flush its prefix cache yet (requests still "
-        "running) is asked to flush this many times, each waiting up to flush_timeout_s for it to go idle",
-    )
-    flush_timeout_s: float = Field(10.0, gt=0, description="how long one /flush_cache waits for the server to idle")
+from common.config.shared import Section
 
 
 class AdvantageConfig(Section):

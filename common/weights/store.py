@@ -40,37 +40,9 @@ import xxhash
 
 from common.schemas import DIGEST_HEX_LENGTHS, WeightsAnnouncement
 from common.storage import fsync_dir, fsync_tree, open_to_umask
-from common.transport_lease import LeaseLost
-
-# What a reader may open (common.weights_files) and the safetensors format (common.weights_format) are theirs;
-# their names are imported from here as well.
-from common.weights_files import UnsafeWeightsPath, WeightsError, WeightsMismatch, confined, open_regular
-from common.weights_format import TensorSpec, buffer_tensors, load_into, mismatch, specs_of, tensor_specs
-
-__all__ = [
-    "Published",
-    "TensorSpec",
-    "UnsafeWeightsPath",
-    "WeightsError",
-    "WeightsMismatch",
-    "confined",
-    "digest",
-    "load_into",
-    "load_state_dict",
-    "mismatch",
-    "mount_type",
-    "newest_on_disk",
-    "open_regular",
-    "prune",
-    "publish",
-    "specs_of",
-    "tensor_specs",
-    "tensors_digest",
-    "verify",
-    "version_dir",
-    "wait_pruned",
-]
-
+from common.transport.lease import LeaseLost
+from common.weights.files import WeightsError, confined, open_regular
+from common.weights.format import buffer_tensors
 
 log = logging.getLogger(__name__)
 

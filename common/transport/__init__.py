@@ -43,19 +43,19 @@ the groups ahead of it (unread, plus rounds other actors are sampling) and the r
 pass ``max_staleness``, so that generation is not spent on groups the learner will drop as stale.
 
 The NCCL keys (``nccl:members``, ``nccl:round``, ``nccl:ready``, ``nccl:state``) carry weights over NCCL
-(common.nccl_weights); their values, like every value here that one process writes for another, are forms of the
+(common.weights.nccl); their values, like every value here that one process writes for another, are forms of the
 wire module (common.schemas).
 
 :class:`Transport` is one object made of parts, each in its own file, all sharing one connection:
 
 ===========================  ===============================================================================
-common.transport_connection  the URL (plain, TLS, Sentinel), the bounded retry, key names, Lua registration
-common.transport_admission   actors: writing rounds, reserving room for them (``inflight``), the prompt cursor
-common.transport_delivery    the learner: delivering within a byte budget, taking over, settling groups
-common.transport_dead        dead letters: moving, reading and replaying them
-common.transport_members     heartbeats, and the members and rounds of weights over NCCL
-common.transport_run         the weights announcement, the done mark, identity, counters and the balance
-common.transport_lease       the learner's lease, and the fence every write of the learner goes through
+common.transport.connection  the URL (plain, TLS, Sentinel), the bounded retry, key names, Lua registration
+common.transport.admission   actors: writing rounds, reserving room for them (``inflight``), the prompt cursor
+common.transport.delivery    the learner: delivering within a byte budget, taking over, settling groups
+common.transport.dead        dead letters: moving, reading and replaying them
+common.transport.members     heartbeats, and the members and rounds of weights over NCCL
+common.transport.run         the weights announcement, the done mark, identity, counters and the balance
+common.transport.lease       the learner's lease, and the fence every write of the learner goes through
 ===========================  ===============================================================================
 
 Import every name from here.
@@ -63,13 +63,13 @@ Import every name from here.
 
 from __future__ import annotations
 
-from common.transport_admission import Admission, MessageTooLarge, Producing, message_byte_limit, round_fits
-from common.transport_connection import CONSUMER_GROUP, Keys, SentinelURL, TransportError, parse_sentinel_url
-from common.transport_dead import DeadLetters
-from common.transport_delivery import DEAD_PREFIX_BYTES, Delivering, Delivery, ReadLimits, StreamEntry
-from common.transport_lease import LeaseHeld, LeaseLost, lease_line
-from common.transport_members import Membership
-from common.transport_run import Balance, RunState, read_balance
+from common.transport.admission import Admission, MessageTooLarge, Producing, message_byte_limit, round_fits
+from common.transport.connection import CONSUMER_GROUP, Keys, SentinelURL, TransportError, parse_sentinel_url
+from common.transport.dead import DeadLetters
+from common.transport.delivery import DEAD_PREFIX_BYTES, Delivering, Delivery, ReadLimits, StreamEntry
+from common.transport.lease import LeaseHeld, LeaseLost, lease_line
+from common.transport.members import Membership
+from common.transport.run import Balance, RunState, read_balance
 
 __all__ = [
     "CONSUMER_GROUP",

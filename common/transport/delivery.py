@@ -11,8 +11,8 @@ from typing import Any, cast
 
 from common.metrics import DropReason
 from common.schemas import as_text, counter
-from common.transport_connection import CONSUMER_GROUP
-from common.transport_lease import Fenced, Leasing
+from common.transport.connection import CONSUMER_GROUP
+from common.transport.lease import Fenced, Leasing
 
 _SCRIPT_CHUNK = 1000  # ids per script call (Lua's unpack has a stack limit)
 DEAD_PREFIX_BYTES = 4096  # what the dead stream keeps of an oversized message: enough to see what it was
@@ -132,7 +132,7 @@ class Delivery(list[StreamEntry]):
 
 class Delivering(Leasing):
     """What the learner does with the groups stream: read, take over, settle; each behind the learner's fence
-    (common.transport_lease), as reading assigns entries to a consumer and settling counts them."""
+    (common.transport.lease), as reading assigns entries to a consumer and settling counts them."""
 
     _settle_script = Fenced(_SETTLE)
     _settle_trained_script = Fenced(_SETTLE_TRAINED)

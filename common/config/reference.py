@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel
 
-from common.config_loading import ENV_KEYS
-from common.config_tree import Config
+from common.config.loading import ENV_KEYS
+from common.config.tree import Config
 
 
 def reference_markdown() -> str:
@@ -16,7 +16,7 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `common/config.py` by `python -m common.config > docs/configuration.md`.",
+        "Generated from `common/config/` by `python -m common.config > docs/configuration.md`.",
         "Set values in YAML files (`--config FILE`, repeatable: later files override earlier ones key by key), in the",
         "environment (the variables below), or on the command line with `-o section.key=value` (values are read as",
         "YAML 1.2: only `true` and `false` are booleans, so `off` is the text off). Later sources win, in that order.",

@@ -10,8 +10,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import model_validator
 
-from common.config_roles import ActorConfig, CheckpointConfig, LearnerConfig, SGLangConfig
-from common.config_sections import (
+from common.config.actor import ActorConfig, SGLangConfig
+from common.config.learner import CheckpointConfig, LearnerConfig
+from common.config.shared import (
     GraderConfig,
     MetricsConfig,
     ModelConfig,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from common.weights_files import WeightsError, WeightsMismatch, open_regular
+from common.weights.files import WeightsError, WeightsMismatch, open_regular
 
 # safetensors' dtype names (https://github.com/huggingface/safetensors: an 8-byte little-endian header length, a
 # JSON header of name → dtype, shape, [begin, end) offsets after the header, then the data, little-endian).

@@ -1,0 +1,35 @@
+"""What the policy is trained and judged on: the prompt sources and their held-out problems (common.tasks.problems,
+whose names this face hands on) and the held-out evaluation both roles and ``grpo eval`` share
+(common.tasks.evaluation, imported from there: it needs the model's sampling types)."""
+
+from __future__ import annotations
+
+from common.tasks.problems import (
+    FILE_SUFFIXES,
+    Problem,
+    PromptEncoder,
+    Task,
+    addition_problems,
+    addition_task,
+    arithmetic_task,
+    eval_problems,
+    is_file_source,
+    load_rows,
+    make_problems,
+    make_task,
+)
+
+__all__ = [
+    "FILE_SUFFIXES",
+    "Problem",
+    "PromptEncoder",
+    "Task",
+    "addition_problems",
+    "addition_task",
+    "arithmetic_task",
+    "eval_problems",
+    "is_file_source",
+    "load_rows",
+    "make_problems",
+    "make_task",
+]

@@ -1,0 +1,53 @@
+"""The weights a learner publishes and its actors load, in four modules behind this face: the store on the shared
+volume (common.weights.store: write, digest, verify, load, prune), what a reader may open and its errors
+(common.weights.files), the safetensors format read without the library (common.weights.format), and what the
+learner and its actors agree on for weights over NCCL (common.weights.nccl; imported from there, it needs
+torch.distributed). Import the store's names from here."""
+
+from __future__ import annotations
+
+from common.weights.files import UnsafeWeightsPath, WeightsError, WeightsMismatch, confined, open_regular
+from common.weights.format import TensorSpec, load_into, mismatch, specs_of, tensor_specs
+from common.weights.store import (
+    LEASE_TOKEN_FILE,
+    Published,
+    Superseded,
+    digest,
+    load_state_dict,
+    mount_type,
+    newest_on_disk,
+    prune,
+    publish,
+    tensors_digest,
+    verify,
+    version_dir,
+    version_token,
+    wait_pruned,
+)
+
+__all__ = [
+    "LEASE_TOKEN_FILE",
+    "Published",
+    "Superseded",
+    "TensorSpec",
+    "UnsafeWeightsPath",
+    "WeightsError",
+    "WeightsMismatch",
+    "confined",
+    "digest",
+    "load_into",
+    "load_state_dict",
+    "mismatch",
+    "mount_type",
+    "newest_on_disk",
+    "open_regular",
+    "prune",
+    "publish",
+    "specs_of",
+    "tensor_specs",
+    "tensors_digest",
+    "verify",
+    "version_dir",
+    "version_token",
+    "wait_pruned",
+]
