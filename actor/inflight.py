@@ -1,8 +1,8 @@
 """Rounds in flight: an actor keeps up to ``k`` rounds generating at once on an engine that batches concurrent
 requests (a SGLang server's continuous batching), and grades and sends the oldest while the others generate.
 
-Each round holds its own reservation of room (:meth:`common.transport.Transport.reserve_round`), under a holder name
-of its slot: the actor's id for slot 0 (the only one of a one-round actor, as before), ``<id>/<slot>`` for the
+Each round holds its own reservation of room (:meth:`common.transport.ActorTransport.reserve_round`), under a holder
+name of its slot: the actor's id for slot 0 (the only one of a one-round actor, as before), ``<id>/<slot>`` for the
 others. A round's policy version is the one its reply was generated with: a SGLang server reports it, and it updates
 its weights only between requests (an update waits for the requests in flight, SGLang 0.5.23's model update lock),
 so one reply is one version; where a server reports none, the version held when the round was sent.

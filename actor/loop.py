@@ -26,6 +26,7 @@ from common.config import Config
 from common.grpo.advantages import overlong_penalty
 from common.metrics import ActorMetrics
 from common.model.generation import Sample
+from common.model.limits import message_byte_limit
 from common.schemas import (
     FORWARDED,
     Completion,
@@ -37,7 +38,7 @@ from common.schemas import (
     encode_group,
 )
 from common.tasks import Problem, PromptEncoder, make_task
-from common.transport import Admission, Transport, message_byte_limit, round_fits
+from common.transport import ActorTransport, Admission, round_fits
 from common.weights import WeightsError
 from grader.pool import GraderPool
 
@@ -74,7 +75,7 @@ class Actor:
         self,
         cfg: Config,
         actor_id: str,
-        transport: Transport,
+        transport: ActorTransport,
         engine: Engine,
         grader: GraderPool,
         metrics: ActorMetrics,
@@ -249,7 +250,7 @@ class Actor:
 
     def wait_for_room(self, holder: str) -> bool:
         """Backpressure, before sampling: reserve room for a whole round among the groups the learner can still
-        train in time (:meth:`Transport.reserve_round`: within ``actor.max_stream_groups`` unread, and no more
+        train in time (:meth:`ActorTransport.reserve_round`: within ``actor.max_stream_groups`` unread, and no more
         groups ahead of the learner, rounds other actors are sampling included, than it trains before they pass
         ``learner.max_staleness``). Without room, wait (a weights announcement wakes us early) rather than sample a
         round that would age waiting and be dropped as stale. Returns False when the loop should re-check its exit

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from common.config import Config
 from common.metrics import ActorMetrics
 from common.schemas import Round
-from common.transport import Transport
+from common.transport import ActorTransport
 from common.weights import WeightsError
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class Receiver:
         self,
         cfg: Config,
         member: str,
-        transport: Transport,
+        transport: ActorTransport,
         engine: NcclEngine,
         metrics: ActorMetrics,
         stop: threading.Event,

@@ -17,7 +17,7 @@ from common.config import Config
 from common.metrics import ActorMetrics, MetricsServer, process_registry, register_endpoint
 from common.model.importing import prepare_model_path
 from common.model.loading import max_positions
-from common.transport import Transport
+from common.transport import ActorTransport
 from grader.pool import open_grader
 
 log = logging.getLogger("actor")
@@ -37,7 +37,9 @@ def run_actor(cfg: Config) -> int:
     actor_id = cfg.actor.id or f"{socket.gethostname()}-{os.getpid()}"
     registry = process_registry(cfg.run.name)
     metrics = ActorMetrics(registry)
-    transport = Transport(cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc)
+    transport = ActorTransport(
+        cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc
+    )
     transport.ping()
     if (g := cfg.sampling.group_size) <= 3:
         log.warning("group size %d: with so few answers grader noise becomes a full ±1 advantage", g)

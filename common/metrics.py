@@ -35,6 +35,8 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from common.schemas import DropReason
+
 log = logging.getLogger(__name__)
 
 # Every process imports this module before it creates a metric: the setting holds for all of them. A `_created`
@@ -44,7 +46,6 @@ disable_created_metrics()
 DISTRIBUTION = "grpo-pipeline"  # pyproject.toml's name: grpo_build_info's version is this distribution's
 
 # The label values each labelled counter can take: the producers are typed with these (see the module docstring).
-DropReason = Literal["group_size", "lineage", "future", "stale", "duplicate", "nonfinite"]
 FilterReason = Literal["zero_std"]
 GraderErrorKind = Literal["timeout", "exception", "invalid", "crash"]
 WeightLoadFailure = Literal["unreadable", "mismatch", "path"]

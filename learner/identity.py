@@ -15,7 +15,7 @@ import secrets
 import redis
 
 from common.config import Config, ConfigError
-from common.transport import Transport
+from common.transport import LearnerTransport
 from learner.progress import Progress
 from learner.publishing import Publisher
 
@@ -25,7 +25,7 @@ log = logging.getLogger("learner")
 class RunClaim:
     """The learner's claim on its run in Redis (the run's identity there: common.schemas.RunIdentity)."""
 
-    def __init__(self, cfg: Config, transport: Transport, progress: Progress, publisher: Publisher):
+    def __init__(self, cfg: Config, transport: LearnerTransport, progress: Progress, publisher: Publisher):
         self.cfg = cfg
         self.transport = transport
         self.progress = progress

@@ -19,9 +19,10 @@ from typing import Any
 import redis
 
 from common.config import Config
-from common.metrics import DropReason, LearnerMetrics
-from common.schemas import FilteredStats, GroupMessage, SchemaError, decode_group, encode_group
-from common.transport import Delivery, ReadLimits, StreamEntry, Transport, message_byte_limit
+from common.metrics import LearnerMetrics
+from common.model.limits import message_byte_limit
+from common.schemas import DropReason, FilteredStats, GroupMessage, SchemaError, decode_group, encode_group
+from common.transport import Delivery, LearnerTransport, ReadLimits, StreamEntry
 from learner.distributed import Ranks
 from learner.identity import RunClaim
 from learner.progress import Progress
@@ -40,7 +41,7 @@ class Intake:
     def __init__(
         self,
         cfg: Config,
-        transport: Transport,
+        transport: LearnerTransport,
         model: Any,
         metrics: LearnerMetrics,
         progress: Progress,

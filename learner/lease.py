@@ -23,7 +23,7 @@ from pathlib import Path
 
 from common.config import Config
 from common.schemas import LeaseHolder
-from common.transport import LeaseHeld, LeaseLost, Transport, lease_line
+from common.transport import LearnerTransport, LeaseHeld, LeaseLost, lease_line
 from learner import fencing
 
 log = logging.getLogger("learner")
@@ -32,7 +32,7 @@ _NOTICE_S = 30.0  # a waiting learner says for whom it waits this often
 
 
 class RunLease:
-    def __init__(self, cfg: Config, transport: Transport, stop: threading.Event):
+    def __init__(self, cfg: Config, transport: LearnerTransport, stop: threading.Event):
         self.cfg = cfg
         self.transport = transport
         self.stop = stop  # SIGTERM while waiting: stop waiting

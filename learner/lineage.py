@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.metrics import DropReason
+from common.schemas import DropReason
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from common.model.generation import pad_token_id, stop_token_ids
 from common.model.importing import prepare_model_path
 from common.model.loading import load_pretrained
 from common.tasks.evaluation import correctness
-from common.transport import Transport
+from common.transport import LearnerTransport
 from grader.pool import GraderPool, open_grader
 from learner import checkpoint
 from learner.distributed import Ranks
@@ -49,7 +49,7 @@ class Learner:
     def __init__(
         self,
         cfg: Config,
-        transport: Transport | None,
+        transport: LearnerTransport | None,
         model: Any,
         tokenizer: Any,
         grader: GraderPool,
@@ -63,7 +63,7 @@ class Learner:
         # through broadcasts (learner.distributed) and have no transport.
         self.ranks = ranks
         self.is_rank0 = ranks is None or ranks.is_rank0
-        self.transport = cast(Transport, transport)
+        self.transport = cast(LearnerTransport, transport)
         # The lease token this learner holds the run with (learner.lease): its checkpoints and versions carry it.
         self.lease_token = transport.lease_token() if transport is not None else 0
         self.model = model
@@ -298,7 +298,9 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
     registry = process_registry(cfg.run.name)
     metrics = LearnerMetrics(registry)
     metrics.run_steps.set(cfg.run.steps)
-    transport = Transport(cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc)
+    transport = LearnerTransport(
+        cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc
+    )
     transport.ping()
     # The run is this learner's before it writes anything of it: a second learner waits (or exits) here.
     lease = RunLease(cfg, transport, stop := threading.Event())
@@ -317,7 +319,7 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
 def _hold(
     cfg: Config,
     ranks: Ranks | None,
-    transport: Transport,
+    transport: LearnerTransport,
     metrics: LearnerMetrics,
     registry: CollectorRegistry,
     lease: RunLease,

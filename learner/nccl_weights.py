@@ -27,7 +27,7 @@ from common.config import Config
 from common.metrics import BroadcastFallback, LearnerMetrics
 from common.net import free_port
 from common.schemas import NcclMember
-from common.transport import Transport
+from common.transport import LearnerTransport
 from common.weights.nccl import (
     Bucket,
     Round,
@@ -135,7 +135,7 @@ class Broadcaster:
     def __init__(
         self,
         cfg: Config,
-        transport: Transport,
+        transport: LearnerTransport,
         metrics: LearnerMetrics,
         *,
         to_disk: Callable[[int, Snapshot], None],

@@ -6,7 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.metrics import DropReason, LearnerMetrics
+from common.metrics import LearnerMetrics
+from common.schemas import DropReason
 from learner.checkpoint import Resumable
 from learner.lineage import Lineage
 

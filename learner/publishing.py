@@ -20,7 +20,7 @@ from common.config import Config
 from common.metrics import LearnerMetrics
 from common.schemas import SchemaError, WeightsAnnouncement
 from common.storage import writing
-from common.transport import Transport
+from common.transport import LearnerTransport
 from common.weights import newest_on_disk, publish, tensors_digest
 from learner.distributed import Ranks
 from learner.fencing import superseded_versions
@@ -30,7 +30,7 @@ from learner.progress import Progress
 log = logging.getLogger("learner")
 
 
-def latest_announcement(transport: Transport) -> WeightsAnnouncement | None:
+def latest_announcement(transport: LearnerTransport) -> WeightsAnnouncement | None:
     try:
         return transport.latest_weights()
     except SchemaError as e:  # garbage in weights:latest: this learner's first announcement replaces it
@@ -38,7 +38,7 @@ def latest_announcement(transport: Transport) -> WeightsAnnouncement | None:
         return None
 
 
-def newest_published(cfg: Config, transport: Transport, announced: WeightsAnnouncement | None = None) -> int:
+def newest_published(cfg: Config, transport: LearnerTransport, announced: WeightsAnnouncement | None = None) -> int:
     """The highest version announced or left under ``weights.dir`` (-1: none); a version a learner wrote after
     another took the run over was never announced and does not count (learner.fencing)."""
     if announced is None:
@@ -51,7 +51,7 @@ class Publisher:
     def __init__(
         self,
         cfg: Config,
-        transport: Transport,
+        transport: LearnerTransport,
         model: Any,
         tokenizer: Any,
         metrics: LearnerMetrics,

@@ -19,7 +19,7 @@ from common.config import Config
 from common.metrics import LearnerMetrics
 from common.pace import eta_s, step_line
 from common.storage import StorageError, fsync_dir, fsync_file, writing
-from common.transport import Transport, read_balance
+from common.transport import LearnerTransport, read_balance
 from learner.alarms import Alarms
 from learner.progress import Progress
 from learner.trackers import Trackers, open_trackers
@@ -33,7 +33,9 @@ _POLICY_KEYS = ("entropy", "completions/mean_length", "staleness/mean", "stalene
 
 
 class Record:
-    def __init__(self, cfg: Config, transport: Transport, metrics: LearnerMetrics, progress: Progress, is_rank0: bool):
+    def __init__(
+        self, cfg: Config, transport: LearnerTransport, metrics: LearnerMetrics, progress: Progress, is_rank0: bool
+    ):
         self.cfg = cfg
         self.transport = transport
         self.metrics = metrics

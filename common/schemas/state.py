@@ -23,6 +23,8 @@ FORWARDED = "zero_std_forwarded"  # all-equal groups an actor sent anyway, its r
 # Counted by reason: dropped by the learner (e.g. stale), filtered out by an actor (never sent, e.g. zero_std),
 # discarded by an actor (sampled, never sent, e.g. stopped).
 CounterKind = Literal["dropped", "filtered", "discarded"]
+# Why the learner refuses a group (``groups_dropped:<reason>``, and the metric's ``reason`` label).
+DropReason = Literal["group_size", "lineage", "future", "stale", "duplicate", "nonfinite"]
 COUNTER_KINDS: tuple[CounterKind, ...] = ("dropped", "filtered", "discarded")
 _PLAIN = (PRODUCED, TRAINED, DEAD, REPLAYED, FORWARDED)
 

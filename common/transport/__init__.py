@@ -46,16 +46,20 @@ The NCCL keys (``nccl:members``, ``nccl:round``, ``nccl:ready``, ``nccl:state``)
 (common.weights.nccl); their values, like every value here that one process writes for another, are forms of the
 wire module (common.schemas).
 
-:class:`Transport` is one object made of parts, each in its own file, all sharing one connection:
+:class:`ActorTransport` (the producer's view), :class:`LearnerTransport` (the consumer's) and :class:`Transport`
+(the whole, for the operator) are built from parts, each in its own file, each with an actor's, a learner's or an
+operator's side, all sharing one connection (common.transport.views says which view has which side):
 
 ===========================  ===============================================================================
 common.transport.connection  the URL (plain, TLS, Sentinel), the bounded retry, key names, Lua registration
 common.transport.admission   actors: writing rounds, reserving room for them (``inflight``), the prompt cursor
 common.transport.delivery    the learner: delivering within a byte budget, taking over, settling groups
-common.transport.dead        dead letters: moving, reading and replaying them
-common.transport.members     heartbeats, and the members and rounds of weights over NCCL
-common.transport.run         the weights announcement, the done mark, identity, counters and the balance
+common.transport.dead        dead letters: the learner moves them, the operator reads and replays them
+common.transport.members     heartbeats and NCCL members (actors), the actors alive and the NCCL rounds (learner)
+common.transport.run         the announcement, done mark, identity and counters: read by all, written by the
+                             learner; the runs in a Redis (operator)
 common.transport.lease       the learner's lease, and the fence every write of the learner goes through
+common.transport.views       the three views
 ===========================  ===============================================================================
 
 Import every name from here.
@@ -63,21 +67,22 @@ Import every name from here.
 
 from __future__ import annotations
 
-from common.transport.admission import Admission, MessageTooLarge, Producing, message_byte_limit, round_fits
+from common.transport.admission import Admission, MessageTooLarge, round_fits
 from common.transport.connection import CONSUMER_GROUP, Keys, SentinelURL, TransportError, parse_sentinel_url
-from common.transport.dead import DeadLetters
-from common.transport.delivery import DEAD_PREFIX_BYTES, Delivering, Delivery, ReadLimits, StreamEntry
+from common.transport.delivery import DEAD_PREFIX_BYTES, Delivery, ReadLimits, StreamEntry
 from common.transport.lease import LeaseHeld, LeaseLost, lease_line
-from common.transport.members import Membership
-from common.transport.run import Balance, RunState, read_balance
+from common.transport.run import Balance, read_balance
+from common.transport.views import ActorTransport, LearnerTransport, Transport
 
 __all__ = [
     "CONSUMER_GROUP",
     "DEAD_PREFIX_BYTES",
+    "ActorTransport",
     "Admission",
     "Balance",
     "Delivery",
     "Keys",
+    "LearnerTransport",
     "LeaseHeld",
     "LeaseLost",
     "MessageTooLarge",
@@ -87,13 +92,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "lease_line",
-    "message_byte_limit",
     "parse_sentinel_url",
     "read_balance",
     "round_fits",
 ]
-
-
-class Transport(Producing, Delivering, DeadLetters, Membership, RunState):
-    """One process's connection to a run's keys. Thin: each method is a command, a transaction or a script; the
-    parts it is made of are listed in this module's docstring."""

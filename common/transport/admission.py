@@ -9,7 +9,6 @@ from typing import Any
 
 import redis
 
-from common.config import Config
 from common.schemas import FilteredStats, as_text
 from common.transport.connection import CONSUMER_GROUP, Connection, Lua
 
@@ -106,27 +105,6 @@ class MessageTooLarge(ValueError):
     """A group message over ``redis.max_message_bytes``: refused by the script that writes, nothing written."""
 
 
-def message_byte_limit(cfg: Config) -> int:
-    """``redis.max_message_bytes``, or (0) twice the largest valid group of this run on the wire, plus 64 KiB: a
-    prompt as long as the model's positions (or ``task.max_prompt_tokens``; 32,768 tokens when neither says) and
-    ``group_size`` completions of ``sampling.max_new_tokens``, at 12 bytes a token (a 4-byte id and an 8-byte
-    log-prob, the widest the schema takes) and 64 bytes a completion. Actors and the learner derive the same."""
-    if cfg.redis.max_message_bytes:
-        return cfg.redis.max_message_bytes
-    prompt = cfg.task.max_prompt_tokens or _positions(cfg.model.path) or 32_768
-    g = cfg.sampling.group_size
-    return 2 * (12 * (prompt + g * cfg.sampling.max_new_tokens) + 64 * g) + 64 * 1024
-
-
-def _positions(path: str) -> int | None:
-    from common.model.loading import max_positions
-
-    try:
-        return max_positions(path)
-    except Exception:  # not a model directory this process can read (an SGLang actor's server-side path)
-        return None
-
-
 def round_fits(unread: int, size: int, bound: int) -> bool:
     """The write script's admission rule (``_PRODUCE`` checks the same): a round of ``size`` groups fits while the
     unread ones plus it stay within ``bound``, and any round fits an empty stream (one larger than the bound must
@@ -215,11 +193,6 @@ class Producing(Connection):
     def release_round(self, holder: str) -> None:
         """Give up ``holder``'s reservation (a round it will not send)."""
         self._do(lambda: self.client.hdel(self.keys.inflight, holder))
-
-    def filtered_totals(self) -> FilteredStats:
-        """The running sums over every group actors filtered out (see :meth:`produce`)."""
-        h = self._do(lambda: self.client.hgetall(self.keys.filtered))
-        return FilteredStats.from_fields({as_text(k): float(v) for k, v in h.items()})
 
     def stream_length(self) -> int:
         return int(self._do(lambda: self.client.xlen(self.keys.groups)))

@@ -10,7 +10,7 @@ from typing import Any
 import redis
 
 from common.schemas import DeadLetter, as_text
-from common.transport.connection import CONSUMER_GROUP, Lua
+from common.transport.connection import CONSUMER_GROUP, Connection, Lua
 from common.transport.delivery import DEAD_PREFIX_BYTES, StreamEntry
 from common.transport.lease import Fenced, Leasing
 
@@ -46,9 +46,10 @@ return id
 """
 
 
-class DeadLetters(Leasing):
-    _dead_script = Fenced(_DEAD_LETTER)  # the learner's: behind its fence
-    _replay_script = Lua(_REPLAY)
+class DeadLettering(Leasing):
+    """The learner's side: moving a message it cannot read to the ``dead`` stream, behind its fence."""
+
+    _dead_script = Fenced(_DEAD_LETTER)
 
     def dead_letter(self, entry: StreamEntry, reason: str, keep: int = 100_000) -> None:
         """Move a message that failed to decode or validate to the ``dead`` stream, with its reason, raw bytes and
@@ -59,6 +60,12 @@ class DeadLetters(Leasing):
             keys=[self.keys.groups, self.keys.stats, self.keys.dead],
             args=[CONSUMER_GROUP, entry.id, reason[:1000], payload, repr(time.time()), keep],
         )
+
+
+class DeadLetters(Connection):
+    """The operator's side (``grpo dead``): reading, counting and replaying dead letters."""
+
+    _replay_script = Lua(_REPLAY)
 
     def dead_letters(self, count: int, start: str = "-") -> list[DeadLetter]:
         """The oldest ``count`` dead letters from ``start`` (:class:`~common.schemas.DeadLetter`: ``truncated`` when

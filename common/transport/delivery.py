@@ -9,8 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from common.metrics import DropReason
-from common.schemas import as_text, counter
+from common.schemas import DropReason, as_text, counter
 from common.transport.connection import CONSUMER_GROUP
 from common.transport.lease import Fenced, Leasing
 

@@ -8,6 +8,7 @@ import time
 from typing import Any, cast
 
 from common.schemas import Heartbeat, NcclDecision, NcclDecisionName, NcclMember, Round, SchemaError, as_text
+from common.transport.connection import Connection
 from common.transport.lease import Fenced, Leasing
 
 # Remove a hash field only if it still holds the value read: a member that re-registered meanwhile stays.
@@ -17,24 +18,14 @@ return 0
 """
 
 
-class Membership(Leasing):
-    _hdel_if_script = Fenced(_HDEL_IF)  # the learner prunes members behind its fence; actors unfenced
+class Member(Connection):
+    """The actor's side: its heartbeat, and its part in the rounds of weights over NCCL."""
 
     def heartbeat(self, actor_id: str, ttl_s: float, info: dict[str, Any]) -> None:
         """``actor_id`` is alive for ``ttl_s``: a :class:`~common.schemas.Heartbeat` of this process, with ``info``
         (``version``, ``groups_sent``, ``rounds``)."""
         body = Heartbeat(os.getpid(), time.time(), **info).encode()
         self._do(lambda: self.client.set(self.keys.actor(actor_id), body, px=max(1, int(ttl_s * 1000))))
-
-    def live_actors(self) -> dict[str, Heartbeat]:
-        """Heartbeats of the actors whose key has not expired, by actor id; SchemaError when one is malformed."""
-        keys = self._do(lambda: list(self.client.scan_iter(match=self.keys.actor("*"), count=100)))
-        values = self._do(lambda: self.client.mget(keys)) if keys else []
-        return {
-            as_text(k).rsplit(":", 1)[-1]: Heartbeat.decode(v)
-            for k, v in zip(keys, values, strict=True)
-            if v is not None
-        }
 
     def nccl_register(self, member: str, info: dict[str, Any]) -> None:
         """An actor whose engine can take weights over NCCL says so (again every heartbeat and whenever it joins or
@@ -45,6 +36,47 @@ class Membership(Leasing):
 
     def nccl_unregister(self, member: str) -> None:
         self._do(lambda: self.client.hdel(self.keys.nccl_members, member))
+
+    def nccl_round(self) -> Round | None:
+        """The current round; None when there is none; SchemaError (one line) when it is malformed."""
+        raw = cast("bytes | None", self._do(lambda: self.client.get(self.keys.nccl_round)))
+        return None if raw is None else Round.from_json(raw)
+
+    def nccl_ready(self, round_id: str, member: str) -> None:
+        """``round_id``: the learner's session and the round's sequence number, ``<session>:<seq>``."""
+        self._do(lambda: self.client.hset(self.keys.nccl_ready, member, round_id))
+
+    def nccl_decision(self, round_id: str) -> NcclDecisionName | None:
+        """The decision on round ``round_id``; ``cancel`` once the state belongs to any other round (a later one, or
+        another learner's) or the round is unreadable, None while undecided."""
+        value, state = self._do(lambda: self.client.mget(self.keys.nccl_round, self.keys.nccl_state))
+        decided = _decision(state)
+        if decided is not None and decided.round_id == round_id:
+            return decided.decision
+        if value is None:
+            return "cancel"
+        try:
+            current = Round.from_json(value).id
+        except SchemaError:
+            return "cancel"
+        return None if current == round_id else "cancel"
+
+
+class Fleet(Leasing):
+    """The learner's side: which actors are alive, and the rounds of weights over NCCL it opens and decides, behind
+    its fence."""
+
+    _hdel_if_script = Fenced(_HDEL_IF)  # stale members pruned behind the fence
+
+    def live_actors(self) -> dict[str, Heartbeat]:
+        """Heartbeats of the actors whose key has not expired, by actor id; SchemaError when one is malformed."""
+        keys = self._do(lambda: list(self.client.scan_iter(match=self.keys.actor("*"), count=100)))
+        values = self._do(lambda: self.client.mget(keys)) if keys else []
+        return {
+            as_text(k).rsplit(":", 1)[-1]: Heartbeat.decode(v)
+            for k, v in zip(keys, values, strict=True)
+            if v is not None
+        }
 
     def nccl_members(self, max_age_s: float) -> dict[str, NcclMember]:
         """Members registered in the last ``max_age_s``, by id; older or malformed entries (an actor killed before
@@ -67,15 +99,6 @@ class Membership(Leasing):
         k = self.keys
         self.write(("DEL", k.nccl_ready), ("DEL", k.nccl_state), ("SET", k.nccl_round, rnd.to_json()))
 
-    def nccl_round(self) -> Round | None:
-        """The current round; None when there is none; SchemaError (one line) when it is malformed."""
-        raw = cast("bytes | None", self._do(lambda: self.client.get(self.keys.nccl_round)))
-        return None if raw is None else Round.from_json(raw)
-
-    def nccl_ready(self, round_id: str, member: str) -> None:
-        """``round_id``: the learner's session and the round's sequence number, ``<session>:<seq>``."""
-        self._do(lambda: self.client.hset(self.keys.nccl_ready, member, round_id))
-
     def nccl_ready_members(self, round_id: str) -> set[str]:
         ready = self._do(lambda: self.client.hgetall(self.keys.nccl_ready))
         return {as_text(k) for k, v in ready.items() if as_text(v) == round_id}
@@ -84,21 +107,6 @@ class Membership(Leasing):
         """``join`` (members join the round's new group), ``go`` (the learner broadcasts now) or ``cancel`` (it does
         not: the version goes to disk)."""
         self.write(("SET", self.keys.nccl_state, NcclDecision(round_id, decision).encode()))
-
-    def nccl_decision(self, round_id: str) -> NcclDecisionName | None:
-        """The decision on round ``round_id``; ``cancel`` once the state belongs to any other round (a later one, or
-        another learner's) or the round is unreadable, None while undecided."""
-        value, state = self._do(lambda: self.client.mget(self.keys.nccl_round, self.keys.nccl_state))
-        decided = _decision(state)
-        if decided is not None and decided.round_id == round_id:
-            return decided.decision
-        if value is None:
-            return "cancel"
-        try:
-            current = Round.from_json(value).id
-        except SchemaError:
-            return "cancel"
-        return None if current == round_id else "cancel"
 
 
 def _member(raw: bytes | str) -> NcclMember | None:

@@ -9,9 +9,18 @@ from dataclasses import dataclass, field
 
 import redis
 
-from common.schemas import PRODUCED, DoneMark, RunCounters, RunIdentity, WeightsAnnouncement, as_text, weights_wakeup
+from common.schemas import (
+    PRODUCED,
+    DoneMark,
+    FilteredStats,
+    RunCounters,
+    RunIdentity,
+    WeightsAnnouncement,
+    as_text,
+    weights_wakeup,
+)
 from common.transport.admission import UNREAD
-from common.transport.connection import CONSUMER_GROUP, Lua
+from common.transport.connection import CONSUMER_GROUP, Connection, Lua
 from common.transport.lease import Leasing
 
 
@@ -46,19 +55,11 @@ class Balance:
         )
 
 
-class RunState(Leasing):
-    """The run's state; what the learner writes here goes through its fence (:meth:`Leasing.write`)."""
+class RunReading(Connection):
+    """What every role reads of the run's state: the announced weights, the done mark, the identity, the counters and
+    the accounting equation."""
 
     _unread_script = Lua(UNREAD)
-
-    def announce_weights(self, ann: WeightsAnnouncement) -> None:
-        """Update ``weights:latest`` and publish the version on the ``weights`` channel, atomically."""
-        fields = [x for kv in ann.to_hash().items() for x in kv]
-        self.write(
-            ("DEL", self.keys.weights_latest),  # no field of an earlier build's announcement outlives it
-            ("HSET", self.keys.weights_latest, *fields),
-            ("PUBLISH", None, self.keys.weights_channel, weights_wakeup(ann.version)),
-        )
 
     def latest_weights(self) -> WeightsAnnouncement | None:
         """The announced version; None when none is; SchemaError (one line) when the hash is malformed: every
@@ -70,12 +71,6 @@ class RunState(Leasing):
         ps = self.client.pubsub(ignore_subscribe_messages=True)
         ps.subscribe(self.keys.weights_channel)
         return ps
-
-    def mark_done(self) -> None:
-        self.write(("SET", self.keys.done, DoneMark(self.server_time()).encode()))
-
-    def clear_done(self) -> None:
-        self.write(("DEL", self.keys.done))
 
     def is_done(self) -> bool:
         """Whether the learner marked the run finished. A run name is one run: an actor that starts (or restarts)
@@ -92,6 +87,58 @@ class RunState(Leasing):
         """The run id alone: one HGET, cheap enough for every learner step."""
         v = self._do(lambda: self.client.hget(self.keys.identity, "id"))
         return None if v is None else as_text(v)
+
+    def counters(self) -> RunCounters:
+        """The durable counters (hash ``stats``); SchemaError (one line) when the hash holds something else."""
+        return RunCounters.from_hash(self._do(lambda: self.client.hgetall(self.keys.stats)))
+
+    def stats(self) -> dict[str, int]:
+        """The non-zero counters by field name, as integers (read through :class:`RunCounters`)."""
+        return self.counters().to_hash()
+
+    def filtered_totals(self) -> FilteredStats:
+        """The running sums over every group actors filtered out (see :meth:`produce`)."""
+        h = self._do(lambda: self.client.hgetall(self.keys.filtered))
+        return FilteredStats.from_fields({as_text(k): float(v) for k, v in h.items()})
+
+    def balance(self) -> Balance:
+        """The accounting equation's terms (:class:`Balance`), read in one transaction, so that the counters and the
+        stream's length are of the same instant."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hgetall(self.keys.stats)
+        pipe.xlen(self.keys.groups)
+        self._unread_script(keys=[self.keys.groups], args=[CONSUMER_GROUP], client=pipe)
+        raw, xlen, unread = self._do(pipe.execute)
+        c = RunCounters.from_hash(raw)
+        return Balance(
+            produced=c.produced,
+            trained=c.trained,
+            dropped=c.dropped,
+            dead=c.dead,
+            in_stream=int(xlen),
+            filtered=c.filtered,
+            unread=int(unread),
+            discarded=c.discarded,
+        )
+
+
+class RunWriting(Leasing):
+    """What the learner writes of the run's state, each write through its fence (:meth:`Leasing.write`)."""
+
+    def announce_weights(self, ann: WeightsAnnouncement) -> None:
+        """Update ``weights:latest`` and publish the version on the ``weights`` channel, atomically."""
+        fields = [x for kv in ann.to_hash().items() for x in kv]
+        self.write(
+            ("DEL", self.keys.weights_latest),  # no field of an earlier build's announcement outlives it
+            ("HSET", self.keys.weights_latest, *fields),
+            ("PUBLISH", None, self.keys.weights_channel, weights_wakeup(ann.version)),
+        )
+
+    def mark_done(self) -> None:
+        self.write(("SET", self.keys.done, DoneMark(self.server_time()).encode()))
+
+    def clear_done(self) -> None:
+        self.write(("DEL", self.keys.done))
 
     def create_identity(self, run_id: str) -> None:
         """Name the run in Redis (kept if another learner named it first)."""
@@ -110,13 +157,9 @@ class RunState(Leasing):
             ("HINCRBY", self.keys.identity, "resets", 1),
         )
 
-    def counters(self) -> RunCounters:
-        """The durable counters (hash ``stats``); SchemaError (one line) when the hash holds something else."""
-        return RunCounters.from_hash(self._do(lambda: self.client.hgetall(self.keys.stats)))
 
-    def stats(self) -> dict[str, int]:
-        """The non-zero counters by field name, as integers (read through :class:`RunCounters`)."""
-        return self.counters().to_hash()
+class RunAdmin(Connection):
+    """What the operator reads and clears of the runs in a Redis (``grpo run``, ``grpo status``)."""
 
     def started_signs(self) -> tuple[bool, int]:
         """Whether weights are announced (the learner has loaded its model) and how many groups actors have sent:
@@ -155,27 +198,7 @@ class RunState(Leasing):
         if keys:
             self._do(lambda: self.client.delete(*keys))
 
-    def balance(self) -> Balance:
-        """The accounting equation's terms (:class:`Balance`), read in one transaction, so that the counters and the
-        stream's length are of the same instant."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hgetall(self.keys.stats)
-        pipe.xlen(self.keys.groups)
-        self._unread_script(keys=[self.keys.groups], args=[CONSUMER_GROUP], client=pipe)
-        raw, xlen, unread = self._do(pipe.execute)
-        c = RunCounters.from_hash(raw)
-        return Balance(
-            produced=c.produced,
-            trained=c.trained,
-            dropped=c.dropped,
-            dead=c.dead,
-            in_stream=int(xlen),
-            filtered=c.filtered,
-            unread=int(unread),
-            discarded=c.discarded,
-        )
 
-
-def read_balance(t: RunState) -> Balance:
-    """The accounting equation of DESIGN §4, read from Redis alone (see :meth:`RunState.balance`)."""
+def read_balance(t: RunReading) -> Balance:
+    """The accounting equation of DESIGN §4, read from Redis alone (see :meth:`RunReading.balance`)."""
     return t.balance()

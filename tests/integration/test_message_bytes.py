@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from common.config import RedisConfig, load_config
-from common.transport import DEAD_PREFIX_BYTES, MessageTooLarge, ReadLimits, Transport, message_byte_limit, read_balance
+from common.model.limits import message_byte_limit
+from common.transport import DEAD_PREFIX_BYTES, MessageTooLarge, ReadLimits, Transport, read_balance
 
 pytestmark = pytest.mark.integration
 

@@ -73,3 +73,49 @@ def test_the_check_sees_every_form_of_import() -> None:
     found = offences("common", REPO / "common" / "example.py", ast.parse(source))
     assert sorted(int(o.split(":")[1].split()[0]) for o in found) == [1, 2, 3, 5, 6], found
     assert offences("actor", REPO / "actor" / "example.py", ast.parse("from grader.pool import open_grader\n")) == []
+
+
+def names_imported_from(tree: ast.Module, module: str) -> Iterator[tuple[int, str]]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == module:
+            yield from ((node.lineno, alias.name) for alias in node.names)
+
+
+@pytest.mark.parametrize(("role", "view"), [("actor", "ActorTransport"), ("learner", "LearnerTransport")])
+def test_each_role_takes_only_its_view_of_the_transport(role: str, view: str) -> None:
+    # The view is the role's whole access to Redis: mypy holds the role's calls to its methods, and the object a role
+    # makes has no method of the other side.
+    found = [
+        f"{path.relative_to(REPO)}:{line} imports {name}"
+        for path in sorted((REPO / role).rglob("*.py"))
+        for line, name in names_imported_from(ast.parse(path.read_text()), "common.transport")
+        if name.endswith("Transport") and name != view
+    ]
+    assert not found, f"{role}/ must use {view}, not another view of the transport:\n" + "\n".join(found)
+
+
+def test_the_redis_layer_knows_neither_the_model_nor_prometheus() -> None:
+    paths = sorted((REPO / "common" / "transport").glob("*.py"))
+    found = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for path in paths
+        for line, module in imported_modules(ast.parse(path.read_text()))
+        if module.startswith(("common.model", "common.metrics", "torch", "transformers", "prometheus_client"))
+    ]
+    assert paths and not found, "\n".join(found)
+
+
+def test_an_actor_view_cannot_settle_and_a_learner_view_cannot_produce() -> None:
+    from common.transport import ActorTransport, LearnerTransport, Transport
+
+    def methods(cls: type) -> set[str]:
+        return {n for n in dir(cls) if not n.startswith("_")}
+
+    actor, learner = methods(ActorTransport), methods(LearnerTransport)
+    learners_own = {"read", "ack_trained", "drop", "dead_letter", "announce_weights", "mark_done", "acquire_lease",
+                    "nccl_open_round", "nccl_decide", "create_identity"}  # fmt: skip
+    actors_own = {"produce", "reserve_round", "next_prompts", "heartbeat", "nccl_register", "nccl_ready"}
+    assert not actor & learners_own and learners_own <= learner
+    assert not learner & actors_own and actors_own <= actor
+    # The whole is both, and the operator's reading and replaying besides.
+    assert actor | learner | {"replay_dead", "dead_letters", "run_names", "delete_run"} <= methods(Transport)
