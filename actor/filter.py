@@ -14,7 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import Enum
 
-from common.grpo.advantages import group_std, is_zero_std
+import numpy as np
+
+from common.config import SamplingConfig, ShapingConfig
+from common.grpo.advantages import group_std, is_zero_std, overlong_penalty
 from common.schemas import FilteredStats
 
 
@@ -50,3 +53,19 @@ def filtered_stats(rewards: Sequence[float]) -> FilteredStats:
         reward_sum=float(sum(rewards)),
         reward_std_sum=group_std(rewards),
     )
+
+
+def overlong_penalties(lengths: Sequence[int], sampling: SamplingConfig, shaping: ShapingConfig) -> np.ndarray | None:
+    """DAPO's overlong penalty of each completion of a group (common.grpo.advantages.overlong_penalty), computed here
+    once: the filter decides on the shaped rewards, so that a group whose answers are all right but differ in length
+    is not filtered as if it carried no signal, and the group carries the penalties to the learner, whose advantages
+    add these very numbers. None when ``shaping`` is off."""
+    if not shaping.enabled():
+        return None
+    penalty = overlong_penalty(lengths, sampling.max_new_tokens, shaping.overlong_cache, shaping.overlong_factor)
+    return np.asarray(penalty, dtype=np.float32)
+
+
+def shaped(rewards: Sequence[float], penalties: np.ndarray | None) -> list[float]:
+    """The rewards the learner computes advantages from: the grader's, plus the penalties when there are any."""
+    return list(rewards) if penalties is None else [r + float(p) for r, p in zip(rewards, penalties, strict=True)]

@@ -19,11 +19,10 @@ from typing import Any, cast
 import numpy as np
 
 from actor.engine_protocol import Engine, EngineError
-from actor.filter import Decision, ZeroStdFilter, filtered_stats
+from actor.filter import Decision, ZeroStdFilter, filtered_stats, overlong_penalties, shaped
 from actor.inflight import InFlight, Round, rounds_in_flight
 from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
 from common.config import Config
-from common.grpo.advantages import overlong_penalty
 from common.metrics import ActorMetrics
 from common.model.generation import Sample
 from common.model.limits import message_byte_limit
@@ -367,7 +366,8 @@ class Actor:
         counters: Counter[str] = Counter()
         filtered = FilteredStats()
         for problem, samples, r in zip(problems, groups, rewards, strict=True):
-            decision = self.filter.decide(self.shaped(samples, r))
+            penalties = overlong_penalties([len(x.token_ids) for x in samples], self.cfg.sampling, self.cfg.shaping)
+            decision = self.filter.decide(shaped(r, penalties))
             if decision is Decision.FILTER:
                 filtered += filtered_stats(r)
                 counters[_FILTERED_ZERO_STD] += 1
@@ -375,7 +375,7 @@ class Actor:
             if decision is Decision.FORWARD:
                 counters[FORWARDED] += 1
                 self._warn_forward_once()
-            payload = encode_group(self._message(problem, samples, r, decision is Decision.FORWARD))
+            payload = encode_group(self._message(problem, samples, r, penalties, decision is Decision.FORWARD))
             if len(payload) > self.max_message_bytes:  # the write script would refuse the round: not this group
                 counters[_DISCARDED_OVERSIZED] += 1
                 log.warning("discarding a group of %d bytes, over redis.max_message_bytes (%d)", len(payload),
@@ -425,18 +425,14 @@ class Actor:
         counters = Counter({**counters, counter("discarded", reason): len(payloads)})
         self.transport.produce([], dict(counters), holder=holder, filtered=filtered)
 
-    def shaped(self, samples: list[Sample], rewards: list[float]) -> list[float]:
-        """The rewards the learner will compute advantages from (common.grpo.advantages.overlong_penalty added), so
-        that a group whose answers are all right but differ in length is not filtered as if it carried no signal.
-        The wire keeps the grader's rewards; the learner applies the same penalty."""
-        s = self.cfg.shaping
-        if not s.enabled():
-            return rewards
-        lengths = [len(x.token_ids) for x in samples]
-        penalty = overlong_penalty(lengths, self.cfg.sampling.max_new_tokens, s.overlong_cache, s.overlong_factor)
-        return [r + p for r, p in zip(rewards, penalty, strict=True)]
-
-    def _message(self, problem: Problem, samples: list[Sample], rewards: list[float], forwarded: bool) -> GroupMessage:
+    def _message(
+        self,
+        problem: Problem,
+        samples: list[Sample],
+        rewards: list[float],
+        penalties: np.ndarray | None,
+        forwarded: bool,
+    ) -> GroupMessage:
         return GroupMessage(
             prompt_id=problem.id,
             policy_version=self.version_sampled,
@@ -452,6 +448,7 @@ class Actor:
                 for s, reward in zip(samples, rewards, strict=True)
             ),
             zero_std=forwarded,
+            penalties=penalties,
             epoch=self.epoch_sampled,
         )
 

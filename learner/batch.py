@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from common.grpo.advantages import group_std, is_zero_std
-from common.schemas import GroupMessage
+from common.schemas import FilteredStats, GroupMessage
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class Batch:
     group_size: int
     staleness: torch.Tensor  # (G,) long: learner version − policy version, per group
     truncated: torch.Tensor  # (B,) bool: finish reason "length"
+    # (B,) float32: each completion's overlong penalty as its actor computed it (0 for a group that carries none);
+    # None when no group of the batch carries any (no shaping).
+    penalties: torch.Tensor | None = None
 
     @property
     def completion_lengths(self) -> torch.Tensor:
@@ -39,7 +42,7 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
-        return replace(self, **{k: v.to(device) for k, v in tensors.items()})
+        return replace(self, **{k: v.to(device) for k, v in tensors.items() if v is not None})
 
 
 def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> Batch:
@@ -81,20 +84,29 @@ def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> B
         group_size=group_size,
         staleness=torch.tensor([learner_version - g.policy_version for g in groups], dtype=torch.long),
         truncated=torch.tensor([r == "length" for c in cols for r in c.finish_reasons], dtype=torch.bool),
+        penalties=_penalties(groups, group_size),
     )
 
 
-def sampled_reward_stats(groups: list[GroupMessage]) -> dict[str, float]:
+def _penalties(groups: list[GroupMessage], group_size: int) -> torch.Tensor | None:
+    if all(g.penalties is None for g in groups):
+        return None
+    zeros = np.zeros(group_size, np.float32)
+    return torch.from_numpy(np.concatenate([zeros if g.penalties is None else g.penalties for g in groups]))
+
+
+def sampled_reward_stats(groups: list[GroupMessage], filtered: FilteredStats) -> dict[str, float]:
     """``reward``, ``reward_std``, ``frac_reward_zero_std`` over everything the actors sampled for these groups —
-    the groups themselves plus the filtered ones summarised in their ``filtered`` fields — and ``reward/trained``
-    over the groups alone. ``reward_std`` is the mean over groups of each group's std, before any filtering as in
-    TRL; here the population std (ddof 0, the seed's convention), where TRL's is Bessel-corrected."""
+    the groups themselves plus the ones actors filtered out meanwhile (``filtered``, read from Redis by the
+    intake) — and ``reward/trained`` over the groups alone. ``reward_std`` is the mean over groups of each group's
+    std, before any filtering as in TRL; here the population std (ddof 0, the seed's convention), where TRL's is
+    Bessel-corrected."""
     rewards = [g.rewards for g in groups]
-    n_groups = len(groups) + sum(g.filtered.groups for g in groups)
-    n_completions = sum(len(r) for r in rewards) + sum(g.filtered.completions for g in groups)
-    reward_sum = sum(sum(r) for r in rewards) + sum(g.filtered.reward_sum for g in groups)
-    std_sum = sum(group_std(r) for r in rewards) + sum(g.filtered.reward_std_sum for g in groups)
-    zero_std = sum(is_zero_std(r) for r in rewards) + sum(g.filtered.zero_std_groups for g in groups)
+    n_groups = len(groups) + filtered.groups
+    n_completions = sum(len(r) for r in rewards) + filtered.completions
+    reward_sum = sum(sum(r) for r in rewards) + filtered.reward_sum
+    std_sum = sum(group_std(r) for r in rewards) + filtered.reward_std_sum
+    zero_std = sum(is_zero_std(r) for r in rewards) + filtered.zero_std_groups
     return {
         "reward": reward_sum / n_completions,
         "reward_std": std_sum / n_groups,

@@ -35,6 +35,7 @@ class Collected:
     ids: list[str] = field(default_factory=list)
     groups: list[GroupMessage] = field(default_factory=list)
     wait_s: float = 0.0
+    filtered: FilteredStats = field(default_factory=FilteredStats)  # what actors filtered out since the last batch
 
 
 class Intake:
@@ -68,11 +69,15 @@ class Intake:
         if self.ranks.is_rank0:
             batch = self._collect()
             sent = None if batch is None else {"ids": batch.ids, "wait_s": batch.wait_s,
+                                                "filtered": batch.filtered.fields(),
                                                 "groups": [encode_group(g) for g in batch.groups]}  # fmt: skip
             self.ranks.broadcast(sent)
             return batch
         got = self.ranks.broadcast()
-        return None if got is None else Collected(got["ids"], [decode_group(g) for g in got["groups"]], got["wait_s"])
+        if got is None:
+            return None
+        groups = [decode_group(g) for g in got["groups"]]
+        return Collected(got["ids"], groups, got["wait_s"], FilteredStats.from_fields(got["filtered"]))
 
     def _collect(self) -> Collected | None:
         """Read until ``batch_groups`` usable groups (None: asked to stop)."""
@@ -91,7 +96,7 @@ class Intake:
             if time.perf_counter() > next_notice:
                 next_notice += 30
                 log.info("waiting for groups: %d of %d after %.0fs", len(batch.groups), want, time.perf_counter() - t0)
-        return Collected(batch.ids, self._with_filtered(batch.groups), time.perf_counter() - t0)
+        return Collected(batch.ids, batch.groups, time.perf_counter() - t0, self._filtered_since())
 
     def _backlog(self) -> list[str]:
         """Between steps, what is pending for this consumer is the groups trained since the last checkpoint (the
@@ -138,19 +143,16 @@ class Intake:
             self.transport.drop(dropped, reason)
             self.progress.count_dropped(reason, len(dropped), self.metrics)
 
-    def _with_filtered(self, groups: list[GroupMessage]) -> list[GroupMessage]:
-        """What actors filtered out since the previous batch (counted in Redis as each round was written, so no
-        dropped group takes it along) joins the batch's first group, where the reward figures read it (and where it
-        travels to the other ranks). A fresh run counts from its start, a resumed learner from its first batch."""
+    def _filtered_since(self) -> FilteredStats:
+        """What actors filtered out since the previous batch: counted in Redis as each round was written (so no
+        dropped group takes it along), read here once a batch, for the step's reward figures. A fresh run counts
+        from its start, a resumed learner from its first batch."""
         totals = self.transport.filtered_totals()
         before = self._filtered_before
         if before is None:
             before = FilteredStats() if self.progress.step == 0 else totals
         self._filtered_before = totals
-        new = totals.since(before)
-        if not new.groups:
-            return groups
-        return [replace(groups[0], filtered=groups[0].filtered + new), *groups[1:]]
+        return totals.since(before)
 
     @functools.cached_property
     def read_limits(self) -> ReadLimits:

@@ -132,7 +132,7 @@ class Learner:
         (``last``: when the previous step ended)."""
         p, steps = self.progress, self.cfg.run.steps
         t_train = time.perf_counter()
-        stats = self.trainer.step(batch.groups, p.version)
+        stats = self.trainer.step(batch.groups, p.version, batch.filtered)
         pad = self.cfg.learner.min_step_s - (time.perf_counter() - t_train)
         if pad > 0:  # benchmarks: a step of controlled time (learner.min_step_s)
             self.stop.wait(pad)

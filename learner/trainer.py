@@ -1,7 +1,8 @@
 """One learner step's optimisation, with no I/O: ``advantages → old log-probs → mini-batch updates → statistics``.
 
 Departures from the textbook, each a config choice (the loss itself is learner.loss):
-- rewards get DAPO's soft overlong penalty before grouping (``shaping.overlong_cache``), and completions cut off at
+- rewards get DAPO's soft overlong penalty before grouping (``shaping.overlong_cache``: each actor computes it once,
+  filters on it and sends it with the group), and completions cut off at
   the length limit can be left out of the loss (``mask_truncated_completions``);
 - old log-probs are by default the learner's own, computed without grad at the start of the step (``proximal``:
   AReaL's decoupled PPO — the clip then bounds the move from the *current* policy, not from whichever stale copy an
@@ -29,10 +30,10 @@ from typing import Any
 import torch
 
 from common.config import Config
-from common.grpo.advantages import group_advantages, overlong_penalty
+from common.grpo.advantages import group_advantages
 from common.grpo.logprobs import gather_tokens, scaled_log_softmax
 from common.hardware import describe_device, resolve_bf16
-from common.schemas import GroupMessage
+from common.schemas import FilteredStats, GroupMessage
 from learner.batch import Batch, assemble, sampled_reward_stats
 from learner.distributed import Ranks
 from learner.loss import grpo_loss, importance_weights, micro_batch_weight
@@ -40,6 +41,7 @@ from learner.schedule import lr_factor
 from learner.tally import PolicyStats, UpdateTally
 
 log = logging.getLogger(__name__)
+NOTHING_FILTERED = FilteredStats()
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -89,8 +91,11 @@ class Trainer:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def step(self, groups: list[GroupMessage], version: int) -> dict[str, float]:
-        """Train on one batch of groups; returns the step's statistics (metrics.jsonl keys)."""
+    def step(
+        self, groups: list[GroupMessage], version: int, filtered: FilteredStats = NOTHING_FILTERED
+    ) -> dict[str, float]:
+        """Train on one batch of groups (``filtered``: what actors filtered out since the previous batch, for the
+        reward figures); returns the step's statistics (metrics.jsonl keys)."""
         batch = assemble(groups, self.pad_id, version).to(self.device)
         mask = batch.loss_mask
         if self.cfg.learner.mask_truncated_completions:
@@ -101,7 +106,7 @@ class Trainer:
         ref = self._scored(self.reference, batch, mask)[0] if self.reference is not None else None
         stats, first = self.update(UpdateInputs(batch, mask, adv, old, is_weights, ref))
         stats |= shown or first  # behavior mode: what the policy looked like, from the first mini-batch
-        stats |= sampled_reward_stats(groups) | shaping
+        stats |= sampled_reward_stats(groups, filtered) | shaping
         stats |= {
             "completions/mean_length": float(batch.completion_lengths.mean()),
             "completions/truncated_frac": float(batch.truncated.float().mean()),
@@ -115,16 +120,9 @@ class Trainer:
     def advantages(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Group advantages of the (shaped) rewards."""
         rewards, shaping = batch.rewards, {}
-        if self.cfg.shaping.enabled():
-            s = self.cfg.shaping
-            penalty = overlong_penalty(
-                batch.completion_lengths.long().tolist(),
-                self.cfg.sampling.max_new_tokens,
-                s.overlong_cache,
-                s.overlong_factor,
-            )
-            rewards = rewards + torch.tensor(penalty, dtype=rewards.dtype, device=rewards.device)
-            shaping = {"reward/overlong_penalty": sum(penalty) / len(penalty)}
+        if batch.penalties is not None:  # computed once, by the actors that shaped their rewards (and filtered on them)
+            rewards = rewards + batch.penalties.to(rewards.dtype)
+            shaping = {"reward/overlong_penalty": float(batch.penalties.mean())}
         if self.cfg.run.shuffle_rewards:  # the control experiment: rewards no longer belong to their completions
             rewards = rewards[torch.randperm(len(rewards), generator=self.generator).to(rewards.device)]
         a = self.cfg.learner.advantage

@@ -277,7 +277,8 @@ class ShapingConfig(Section):
         0,
         ge=0,
         description="DAPO soft overlong punishment: the last this many tokens before sampling.max_new_tokens are "
-        "penalised linearly down to -overlong_factor; 0 = off",
+        "penalised linearly down to -overlong_factor; 0 = off. Computed by the actors (their zero-std filter "
+        "decides on it) and sent with each group for the learner's advantages",
     )
     overlong_factor: float = Field(1.0, ge=0, description="the overlong penalty at max_new_tokens (DAPO: 1)")
 

@@ -6,7 +6,7 @@ Messages
     One prompt, its G completions with their behaviour log-probs and rewards, stamped with the policy version that
     generated them. Invariants, checked by :func:`decode_group`:
 
-    - ``v`` is :data:`SCHEMA_VERSION` (or 1, read for groups still in a stream written by an older build) and
+    - ``v`` is :data:`SCHEMA_VERSION` (or 1 or 2, read for groups still in a stream written by an older build) and
       ``type`` is ``"group"``; no unknown keys anywhere;
     - arrays travel as ``{"dtype": ..., "data": <little-endian bytes>}``, never as lists of numbers;
     - every completion has as many behaviour log-probs as tokens (at least one), log-probs are in
@@ -15,26 +15,29 @@ Messages
       corrupt (−1e30 made every update of a step non-finite);
     - rewards are finite and in [0, 1]; ``policy_version`` ≥ 0; ``finish_reason`` is stop | length | abort;
     - ``zero_std`` is true only when the actor forwarded an all-equal group because its resampling budget ran out;
-    - ``filtered`` summarises groups an actor filtered out, so the learner can report the reward of everything sampled
-      (TRL's ``reward`` is measured before any filtering). Actors of this build send it empty and count what they
-      filter in Redis, in the script that writes the round (the ``filtered`` hash, common.transport), where a dropped
-      group cannot take it along; the learner still adds what an older actor's message carries;
+    - ``penalties`` (optional, float32, G, each in [−overlong_factor, 0]): DAPO's overlong penalty of each
+      completion, computed once by an actor that shapes its rewards (``shaping.*``): its zero-std filter decided on
+      rewards + penalties, and the learner's advantages use the very same numbers; absent, nothing is added;
+    - what an actor filtered out is not carried by any group: the script that writes a round counts it in Redis (the
+      ``filtered`` hash, common.transport), where a dropped group cannot take it along, and the learner reads it
+      there. Versions 1 and 2 carried a ``filtered`` map for it, which is read and skipped;
     - ``epoch`` (optional, an int ≥ 0): the learner lineage of the weights it was sampled with, from their
       announcement; messages without it (earlier builds) are read by their version alone.
 
-Layout (version 2). The G completions travel as columns, not as G maps: ``completions`` is one map of
+Layout (version 3). The G completions travel as columns, not as G maps: ``completions`` is one map of
 ``lengths`` (int32, G), ``token_ids`` and ``logprobs`` (every completion's, end to end, ``sum(lengths)`` each),
 ``rewards`` (float64, G) and ``finish_reasons`` (G strings)::
 
-    {"v": 2, "type": "group", "group_id": str, "prompt_id": str, "policy_version": int, "actor_id": str,
-     "created_at": float, "prompt_ids": array, "zero_std": bool, "filtered": {...},
+    {"v": 3, "type": "group", "group_id": str, "prompt_id": str, "policy_version": int, "actor_id": str,
+     "created_at": float, "prompt_ids": array, "zero_std": bool, ["penalties": array,] ["epoch": int,]
      "completions": {"lengths": array, "token_ids": array, "logprobs": array, "rewards": array,
                      "finish_reasons": [str, ...]}}
 
 Why columns: a group is a handful of arrays whatever G is, so packing, unpacking and checking it costs a few numpy
 calls instead of G small maps of nested maps; that halved the cost of moving a group through Redis (benchmark
-B3). Version 1 carried ``completions`` as a list of ``{"token_ids", "logprobs", "reward", "finish_reason"}`` maps;
-the decoder still reads it, so groups left in a stream by an older build are trained, not dead-lettered.
+B3). Version 2 was this layout with ``filtered`` and without ``penalties``; version 1 carried ``completions`` as a
+list of ``{"token_ids", "logprobs", "reward", "finish_reason"}`` maps; the decoder still reads both, so groups left
+in a stream by an older build are trained, not dead-lettered.
 
 ``WeightsAnnouncement`` (learner → Redis hash ``weights:latest`` + channel ``weights`` → actors)
     ``version``, ``uri`` (a directory), ``digest`` (``xxh3-128:<hex>`` or ``sha256:<hex>``, over its

@@ -21,8 +21,8 @@ from common.schemas.fields import keys_of as _keys
 from common.schemas.fields import number as _float
 from common.schemas.fields import text as _str
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
 
@@ -165,7 +165,10 @@ class GroupMessage:
     prompt_ids: np.ndarray  # int32 (P,)
     completions: Sequence[Completion]  # any sequence; held as Completions (see __post_init__)
     zero_std: bool = False
-    filtered: FilteredStats = field(default_factory=FilteredStats)
+    # DAPO's overlong penalty of each completion (float32 (G,), each in [-overlong_factor, 0]), computed once by the
+    # actor that shaped its rewards with it (its filter decided on rewards + penalties, and the learner's advantages
+    # use the same numbers); None: no shaping (or an older build's message).
+    penalties: np.ndarray | None = None
     group_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = field(default_factory=time.time)
     # The lineage (learner epoch) of the weights it was sampled with, from their announcement; None when unknown
@@ -220,14 +223,9 @@ def encode_group(msg: GroupMessage) -> bytes:
             "finish_reasons": list(c.finish_reasons),
         },
         "zero_std": bool(msg.zero_std),
-        "filtered": {
-            "groups": msg.filtered.groups,
-            "zero_std_groups": msg.filtered.zero_std_groups,
-            "completions": msg.filtered.completions,
-            "reward_sum": float(msg.filtered.reward_sum),
-            "reward_std_sum": float(msg.filtered.reward_std_sum),
-        },
     }
+    if msg.penalties is not None:  # optional: only an actor that shaped its rewards sends them
+        body["penalties"] = _array(msg.penalties, "float32")
     if msg.epoch is not None:  # optional: a message without it is what earlier builds send
         body["epoch"] = int(msg.epoch)
     return cast(bytes, msgpack.packb(body, use_bin_type=True))
@@ -371,41 +369,41 @@ def _decode_v1_completions(v: Any) -> Completions:
     return Completions.of(out)
 
 
-_NO_FILTERED = FilteredStats()
-_NOTHING_FILTERED = {"groups": 0, "zero_std_groups": 0, "completions": 0, "reward_sum": 0.0, "reward_std_sum": 0.0}
+_MAX_PENALTY = 1e6  # a penalty's size is overlong_factor's; anything larger is corrupt
 
 
-def _decode_filtered(v: Any) -> FilteredStats:
-    if v == _NOTHING_FILTERED and all(type(v[k]) is type(x) for k, x in _NOTHING_FILTERED.items()):
-        return _NO_FILTERED  # the usual case: the actor filtered nothing since its previous message
-    d = _keys(v, "filtered", {"groups", "zero_std_groups", "completions", "reward_sum", "reward_std_sum"})
-    groups = _int(d["groups"], "filtered.groups")
-    stats = FilteredStats(
-        groups=groups,
-        zero_std_groups=_int(d["zero_std_groups"], "filtered.zero_std_groups", 0, groups),
-        completions=_int(d["completions"], "filtered.completions"),
-        reward_sum=_float(d["reward_sum"], "filtered.reward_sum", 0.0),
-        reward_std_sum=_float(d["reward_std_sum"], "filtered.reward_std_sum", 0.0),
-    )
-    if stats.reward_sum > stats.completions + 1e-6 or stats.reward_std_sum > stats.groups + 1e-6:
-        raise SchemaError("filtered: reward sums exceed what rewards in [0, 1] allow")
-    return stats
+def _decode_penalties(v: Any, g: int) -> np.ndarray:
+    p = _decode_array(v, "penalties", _FLOAT_DTYPES, FLOAT32, _MAX_COMPLETIONS)
+    if len(p) != g:
+        raise SchemaError(f"penalties: {len(p)} for {g} completions")
+    if len(p) and not (_min(p) >= -_MAX_PENALTY and _max(p) <= 0.0):  # a NaN fails both
+        raise SchemaError(f"penalties: each is finite in [-{_MAX_PENALTY:g}, 0]")
+    return p
 
 
-_GROUP_KEYS = {
-    "v",
-    "type",
-    "group_id",
-    "prompt_id",
-    "policy_version",
-    "actor_id",
-    "created_at",
-    "prompt_ids",
-    "completions",
-    "zero_std",
-    "filtered",
+# The keys of each version beside the optional ``epoch``: versions 1 and 2 carried ``filtered`` (a summary of the
+# groups an actor filtered out, which this build reads from Redis alone: its value is skipped), version 3
+# carries optional ``penalties`` instead.
+_BASE_KEYS = {"v", "type", "group_id", "prompt_id", "policy_version", "actor_id", "created_at", "prompt_ids",
+              "completions", "zero_std"}  # fmt: skip
+_OPTIONAL_KEYS = {1: {"epoch"}, 2: {"epoch"}, 3: {"epoch", "penalties"}}
+_REQUIRED_KEYS = {1: _BASE_KEYS | {"filtered"}, 2: _BASE_KEYS | {"filtered"}, 3: _BASE_KEYS}
+
+
+# Every set of keys a valid message of each version has, to match a message's keys at once (the common case).
+_KEY_SETS = {
+    v: [_REQUIRED_KEYS[v] | extra for extra in (set(), {"epoch"}, _OPTIONAL_KEYS[v] - {"epoch"}, _OPTIONAL_KEYS[v])]
+    for v in _REQUIRED_KEYS
 }
-_GROUP_KEYS_WITH_EPOCH = _GROUP_KEYS | {"epoch"}
+
+
+def _group_keys(body: Any, version: Any) -> dict[str, Any]:
+    """The message's fields, exactly its version's (a message without ``v`` fails: ``v`` is required)."""
+    if type(body) is dict and any(body.keys() == ks for ks in _KEY_SETS.get(version, ())):
+        return body
+    required = _REQUIRED_KEYS.get(version, _BASE_KEYS)
+    present = body.keys() & _OPTIONAL_KEYS.get(version, set()) if isinstance(body, dict) else set()
+    return _keys(body, "group", required | present)
 
 
 def decode_group(raw: bytes) -> GroupMessage:
@@ -421,10 +419,10 @@ def decode_group(raw: bytes) -> GroupMessage:
         raise SchemaError(
             f"unsupported schema version {version!r} (this build reads {', '.join(map(str, READABLE_VERSIONS))})"
         )
-    d = _keys(body, "group", _GROUP_KEYS_WITH_EPOCH if isinstance(body, dict) and "epoch" in body else _GROUP_KEYS)
+    d = _group_keys(body, version)
     if d["type"] != "group":
         raise SchemaError(f"type: expected 'group', got {d['type']!r}")
-    completions = _decode_columns(d["completions"]) if version == 2 else _decode_v1_completions(d["completions"])
+    completions = _decode_columns(d["completions"]) if version != 1 else _decode_v1_completions(d["completions"])
     prompt_ids = _decode_array(d["prompt_ids"], "prompt_ids", _ID_DTYPES, INT32)
     _check_values(prompt_ids, completions)
     return GroupMessage(
@@ -436,6 +434,6 @@ def decode_group(raw: bytes) -> GroupMessage:
         prompt_ids=prompt_ids,
         completions=completions,
         zero_std=_bool(d["zero_std"], "zero_std"),
-        filtered=_decode_filtered(d["filtered"]),
+        penalties=_decode_penalties(d["penalties"], len(completions)) if "penalties" in d else None,
         epoch=_int(d["epoch"], "epoch") if "epoch" in d else None,
     )

@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from common.config import RedisConfig
+from common.grpo import is_zero_std, overlong_penalty
 from common.procs import wait_until
 from common.schemas import FilteredStats, decode_group
 from common.transport import Transport, read_balance
-from tests.integration.test_actor_flow import sim_actor
+from tests.integration.test_actor_flow import actor_groups, sim_actor
 from tests.integration.test_learner_process import group, run_learner
 
 pytestmark = pytest.mark.integration
@@ -53,6 +55,28 @@ def test_an_actor_counts_what_it_filters_in_redis_as_it_writes_each_round(
     stats, totals = t.stats(), t.filtered_totals()  # the same script wrote both, whenever this reads them
     assert totals.groups == stats["groups_filtered:zero_std"]
     assert totals.completions == 8 * totals.groups and totals.zero_std_groups == totals.groups
-    # The groups sent carry no summary: dropping one loses nothing.
+    # The groups sent carry no summary (the wire has no field for it): dropping one loses nothing.
     for _, f in t.client.xrange(t.keys.groups):
-        assert decode_group(f[b"data"]).filtered == FilteredStats()
+        assert "filtered" not in msgpack.unpackb(f[b"data"]) and decode_group(f[b"data"]).group_id
+
+
+def test_an_actor_computes_the_overlong_penalty_once_filters_on_it_and_sends_it(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+) -> None:  # type: ignore[no-untyped-def]
+    """Random answers score 0, so every group's grader rewards are all equal; with the overlong penalty on, a group
+    whose completions' lengths differ inside the penalty's window carries a signal and is sent, and only the others
+    are filtered. What a group carries is the penalty of its own lengths, which the learner adds as it is."""
+    t = Transport(RedisConfig(url=redis_url), "it")
+    args = sim_actor(tiny_model_dir, tmp_path, redis_url, "actor.filter_zero_std=true",
+                     "actor.max_consecutive_filtered=1000", "sampling.max_new_tokens=8", "sampling.group_size=2",
+                     "shaping.overlong_cache=4", "shaping.overlong_factor=0.5")  # fmt: skip
+    processes.grpo(*args, log=tmp_path / "actor.log")
+    assert wait_until(lambda: t.stream_length() >= 4 and t.stats().get("groups_filtered:zero_std", 0) >= 2, 120), (
+        tmp_path / "actor.log"
+    ).read_text()
+    for msg in actor_groups(t):
+        lengths = [len(c.token_ids) for c in msg.completions]
+        assert msg.penalties is not None
+        assert msg.penalties.tolist() == pytest.approx(overlong_penalty(lengths, 8, 4, 0.5))
+        assert set(msg.rewards) == {0.0} and not is_zero_std(msg.rewards + msg.penalties)  # sent for its penalties
+        assert not msg.zero_std

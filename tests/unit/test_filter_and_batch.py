@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actor.filter import Decision, ZeroStdFilter, filtered_stats
-from common.grpo.advantages import group_std, is_zero_std
+from actor.filter import Decision, ZeroStdFilter, filtered_stats, overlong_penalties, shaped
+from common.grpo.advantages import group_std, is_zero_std, overlong_penalty
 from common.schemas import Completion, FilteredStats, GroupMessage
 from learner.batch import assemble, sampled_reward_stats
 
@@ -95,10 +95,25 @@ def test_assemble_rejects_mixed_group_sizes() -> None:
 
 def test_sampled_reward_stats_include_what_actors_filtered() -> None:
     # Trained: one group with rewards 1, 0 (std 0.5). Filtered before it: three groups of 2, all 1s (zero std).
-    g = _group([1], [([2], 1.0), ([3], 0.0)], filtered=FilteredStats(3, 3, 6, 6.0, 0.0))
-    s = sampled_reward_stats([g])
+    g = _group([1], [([2], 1.0), ([3], 0.0)])
+    s = sampled_reward_stats([g], FilteredStats(3, 3, 6, 6.0, 0.0))
     assert s["reward"] == pytest.approx(7 / 8)
     assert s["reward/trained"] == pytest.approx(0.5)
     assert s["frac_reward_zero_std"] == pytest.approx(3 / 4)
     assert s["reward_std"] == pytest.approx(0.5 / 4)
     assert s["groups_sampled"] == 4
+
+
+def test_the_filter_decides_on_the_penalties_the_group_then_carries() -> None:
+    from common.config import SamplingConfig, ShapingConfig
+
+    sampling, off = SamplingConfig(max_new_tokens=8), ShapingConfig()
+    assert overlong_penalties([3, 8], sampling, off) is None and shaped([1.0, 1.0], None) == [1.0, 1.0]
+    on = ShapingConfig(overlong_cache=4, overlong_factor=0.5)
+    penalties = overlong_penalties([3, 6, 8], sampling, on)
+    assert penalties is not None and penalties.dtype == np.float32
+    assert penalties.tolist() == pytest.approx(overlong_penalty([3, 6, 8], 8, 4, 0.5)) == [0.0, -0.25, -0.5]
+    # All right, but of different lengths: the shaped rewards differ, so the group is sent, not filtered.
+    f = ZeroStdFilter(enabled=True, max_consecutive=8)
+    assert f.decide([1.0, 1.0, 1.0]) is Decision.FILTER
+    assert f.decide(shaped([1.0, 1.0, 1.0], penalties)) is Decision.SEND

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from common.schemas import (
     SCHEMA_VERSION,
     Completion,
-    FilteredStats,
     GroupMessage,
     SchemaError,
     WeightsAnnouncement,
@@ -39,7 +38,7 @@ def make_group(n: int = 4, **kw: object) -> GroupMessage:
         actor_id="actor-1",
         prompt_ids=np.array([1, 7, 14, 9, 17], dtype=np.int32),
         completions=comps,
-        filtered=FilteredStats(3, 3, 24, 8.0, 0.0),
+        penalties=np.array([0.0, -0.25, -0.5, -1.0][:n], dtype=np.float32),
     )
     fields.update(kw)
     return GroupMessage(**fields)
@@ -60,13 +59,15 @@ def test_round_trip_preserves_everything() -> None:
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
         assert (a.reward, a.finish_reason) == (b.reward, b.finish_reason)
-    assert back.filtered == msg.filtered and back.zero_std is False
+    assert back.zero_std is False
+    assert back.penalties is not None and msg.penalties is not None
+    np.testing.assert_array_equal(back.penalties, msg.penalties)
 
 
 def test_arrays_travel_as_little_endian_bytes_with_a_dtype_and_completions_as_columns() -> None:
     msg = make_group()
     d = body(msg)
-    assert d["v"] == SCHEMA_VERSION == 2 and d["type"] == "group"
+    assert d["v"] == SCHEMA_VERSION == 3 and d["type"] == "group"
     c = d["completions"]
     assert set(c) == {"lengths", "token_ids", "logprobs", "rewards", "finish_reasons"}
     assert all(
@@ -93,9 +94,39 @@ def test_a_groups_completions_are_views_of_its_columns() -> None:
         back.completions[4]
 
 
+_NOTHING_FILTERED = {"groups": 0, "zero_std_groups": 0, "completions": 0, "reward_sum": 0.0, "reward_std_sum": 0.0}
+
+
+def v2_body(msg: GroupMessage, filtered: dict | None = None) -> dict:
+    """What a build before schema version 3 wrote: a summary of filtered groups, and no penalties."""
+    d = body(msg)
+    d["v"] = 2
+    del d["penalties"]
+    d["filtered"] = filtered or _NOTHING_FILTERED
+    return d
+
+
+def test_version_2_groups_are_read_and_their_filtered_summary_skipped() -> None:
+    # The summary was always empty in what actors sent since the filter's figures moved to Redis: whatever it holds,
+    # the learner reads those figures from Redis alone (one source), and the group itself is trained.
+    msg = make_group()
+    for summary in (None, {"groups": 3, "zero_std_groups": 3, "completions": 24, "reward_sum": 8.0,
+                           "reward_std_sum": 0.0}):  # fmt: skip
+        back = decode_group(msgpack.packb(v2_body(msg, summary), use_bin_type=True))
+        assert back.group_id == msg.group_id and back.penalties is None
+        np.testing.assert_array_equal(back.columns.token_ids, msg.columns.token_ids)
+    with_penalties = v2_body(msg) | {"penalties": body(msg)["penalties"]}  # a field version 2 never had
+    with pytest.raises(SchemaError, match="unknown keys"):
+        decode_group(msgpack.packb(with_penalties, use_bin_type=True))
+    no_summary = v2_body(msg)
+    del no_summary["filtered"]
+    with pytest.raises(SchemaError, match=r"missing \['filtered'\]"):
+        decode_group(msgpack.packb(no_summary, use_bin_type=True))
+
+
 def v1_body(msg: GroupMessage) -> dict:
     """What a build before schema version 2 wrote: one map per completion."""
-    d = body(msg)
+    d = v2_body(msg)
     d["v"] = 1
     d["completions"] = [
         {
@@ -167,8 +198,8 @@ _LP = [-0.1] * 12
 
 # (field path, a value it must not have, what the error says): each one is a message that must be dead-lettered.
 REJECTIONS = [
-    ("v", 3, "unsupported schema version"),
-    ("v", "2", "unsupported schema version"),
+    ("v", 4, "unsupported schema version"),
+    ("v", "3", "unsupported schema version"),
     ("type", "weights", "expected 'group'"),
     ("extra", 1, "unknown keys"),
     ("policy_version", _DELETE, "missing"),
@@ -210,9 +241,10 @@ REJECTIONS = [
     ("completions.token_ids", [1, 2, 3], "expected a map"),
     ("completions.lengths", _DELETE, "missing ['lengths']"),
     ("prompt_ids", {"dtype": "int32", "data": b""}, "outside [1"),
-    ("filtered.zero_std_groups", 9, "outside"),
-    ("filtered.reward_sum", 1e9, "exceed"),
-    ("filtered.groups", 0.0, "expected an integer"),
+    ("penalties", _f32(0.0, -0.5, 0.25, 0.0), "penalties: each is finite in"),
+    ("penalties", _f32(0.0, math.nan, 0.0, 0.0), "penalties: each is finite in"),
+    ("penalties", _f32(0.0, -0.5), "penalties: 2 for 4 completions"),
+    ("filtered", {"groups": 0}, "unknown keys ['filtered']"),  # version 3 has no summary
     ("zero_std", 0, "expected a boolean"),
 ]
 
@@ -293,12 +325,12 @@ def _fuzz(data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(d)))
         d[key] = data.draw(_msgpack_values)
         raw = msgpack.packb(d, use_bin_type=True)
-    else:  # ... or one field nested inside a completion, an array, or the filtered summary
+    else:  # ... or one field nested inside a completion, an array, or the penalties
         d = body(make_group(2))
         c = d["completions"]
         node = data.draw(
             st.sampled_from(
-                [c, c["token_ids"], c["logprobs"], c["lengths"], c["rewards"], d["filtered"], d["prompt_ids"]]
+                [c, c["token_ids"], c["logprobs"], c["lengths"], c["rewards"], d["penalties"], d["prompt_ids"]]
             )
         )
         node[data.draw(st.sampled_from(sorted(node)))] = data.draw(_msgpack_values)

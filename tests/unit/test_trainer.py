@@ -158,15 +158,24 @@ def test_learning_rate_warms_up_then_decays(policy) -> None:  # type: ignore[no-
     assert seen == pytest.approx([0.5e-3, 1e-3]) and t.lr == 0.0
 
 
-def test_overlong_penalty_is_added_before_grouping(policy) -> None:  # type: ignore[no-untyped-def]
+def test_the_actors_overlong_penalty_is_added_before_grouping(policy) -> None:  # type: ignore[no-untyped-def]
+    """The penalty is computed once, by the actor that filtered on it: the learner adds what the group carries, whatever
+    its own ``shaping`` says (here: off), so the two sides cannot disagree."""
+    from dataclasses import replace
+
     tok, model = policy
-    t = trainer_for(model, "shaping.overlong_cache=2")
-    batch = assemble(groups_of(tok, model, [0]), 0, 0)
-    adv, shaping = t.advantages(batch)
-    lengths = batch.completion_lengths.long().tolist()
-    shaped = [r + p for r, p in zip(batch.rewards.tolist(), overlong_penalty(lengths, 4, 2), strict=True)]
+    (plain,) = groups_of(tok, model, [0])
+    lengths = [len(c.token_ids) for c in plain.completions]
+    penalty = overlong_penalty(lengths, 4, 2)
+    shaped_group = replace(plain, penalties=np.array(penalty, np.float32))
+    t = trainer_for(model)  # shaping off on the learner's side
+    adv, shaping = t.advantages(assemble([shaped_group], 0, 0))
+    shaped = [r + p for r, p in zip(plain.rewards, penalty, strict=True)]
     assert adv.tolist() == pytest.approx(group_advantages(shaped, 4).tolist(), abs=1e-6)
-    assert shaping["reward/overlong_penalty"] == pytest.approx(sum(overlong_penalty(lengths, 4, 2)) / 4)
+    assert shaping["reward/overlong_penalty"] == pytest.approx(sum(penalty) / 4)
+    # No penalty carried: nothing added, whatever the learner's own shaping settings.
+    adv, shaping = trainer_for(model, "shaping.overlong_cache=2").advantages(assemble([plain], 0, 0))
+    assert adv.tolist() == pytest.approx(group_advantages(plain.rewards, 4).tolist(), abs=1e-6) and shaping == {}
 
 
 def _live_models() -> int:
