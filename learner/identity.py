@@ -25,27 +25,26 @@ log = logging.getLogger("learner")
 class RunClaim:
     """The learner's claim on its run in Redis (the run's identity there: common.schemas.RunIdentity)."""
 
-    def __init__(self, cfg: Config, transport: LearnerTransport, progress: Progress, publisher: Publisher):
+    def __init__(self, cfg: Config, transport: LearnerTransport, publisher: Publisher):
         self.cfg = cfg
         self.transport = transport
-        self.progress = progress
         self.publisher = publisher
 
-    def claim(self) -> None:
+    def claim(self, p: Progress) -> None:
         """At start: the run id in Redis must be the checkpoint's. A fresh learner adopts the one in Redis (an
         earlier learner of this run died before its first checkpoint) or names the run; a checkpoint of an earlier
         build, which has none, names it too."""
         found = self.transport.identity_id()
-        if not self.progress.run_id:
-            self.progress.run_id = found or secrets.token_hex(8)
-            self.transport.create_identity(self.progress.run_id)
+        if not p.run_id:
+            p.run_id = found or secrets.token_hex(8)
+            self.transport.create_identity(p.run_id)
             return
-        self.check(found)
+        self.check(found, p)
 
-    def check(self, found: str | None) -> None:
+    def check(self, found: str | None, p: Progress) -> None:
         """``found``: the run id Redis holds now. Another run's id is a configuration mistake (two runs under one
         ``run.name``); none at all means Redis lost this run's state, and the run goes on (see redis_lost)."""
-        run_id = self.progress.run_id
+        run_id = p.run_id
         if found == run_id:
             return
         if found is not None:
@@ -53,13 +52,12 @@ class RunClaim:
                 f"config error: Redis holds run {found} under run.name {self.cfg.run.name}, but this learner's "
                 f"checkpoints ({self.cfg.checkpoint.dir}) are run {run_id}'s: give each run its own run.name"
             )
-        self.redis_lost()
+        self.redis_lost(p)
 
-    def redis_lost(self) -> None:
+    def redis_lost(self, p: Progress) -> None:
         """Redis restarted without persistence, was flushed or failed over to an empty replica: the stream, the
         counters and the announcement are gone. Name the run again (recording what was lost), recreate the stream,
         announce the current version again, and train on."""
-        p = self.progress
         log.warning("Redis lost this run's state (restarted without persistence, flushed, or an empty replica): "
                     "%d groups trained until step %d are no longer in its counters (recorded in %s); the groups in "
                     "its stream are gone; training goes on", p.groups_consumed, p.step,
@@ -69,11 +67,11 @@ class RunClaim:
         p.window_ids, p.window_groups = [], []  # their entries are gone: nothing is left to acknowledge
         self.publisher.announce_again()
 
-    def stream_gone(self, e: redis.ResponseError) -> bool:
+    def stream_gone(self, e: redis.ResponseError, p: Progress) -> bool:
         """Whether a reply says the stream or its consumer group no longer exists (then: what happened to Redis?)."""
         text = str(e)
         if "NOGROUP" not in text and "no longer exists" not in text:
             return False
-        self.check(self.transport.identity_id())
+        self.check(self.transport.identity_id(), p)
         self.transport.ensure_consumer_group()  # the identity survived (the stream alone was deleted): recreate it
         return True

@@ -45,7 +45,6 @@ class Intake:
         transport: LearnerTransport,
         model: Any,
         metrics: LearnerMetrics,
-        progress: Progress,
         identity: RunClaim,
         ranks: Ranks | None,
         stop: threading.Event,
@@ -54,20 +53,19 @@ class Intake:
         self.transport = transport
         self.model = model
         self.metrics = metrics
-        self.progress = progress
         self.identity = identity
         self.ranks = ranks
         self.stop = stop
         self.consumer = f"learner-{socket.gethostname()}-{os.getpid()}"
         self._filtered_before: FilteredStats | None = None  # the filtered hash's totals at the previous batch
 
-    def collect(self) -> Collected | None:
-        """The next batch: read from Redis by rank 0 and sent to the other ranks as the groups' wire bytes (None:
-        asked to stop, every rank)."""
+    def collect(self, p: Progress) -> Collected | None:
+        """The next batch for a learner at ``p`` (whose drop and dead-letter counts it moves): read from Redis by
+        rank 0 and sent to the other ranks as the groups' wire bytes (None: asked to stop, every rank)."""
         if self.ranks is None:
-            return self._collect()
+            return self._collect(p)
         if self.ranks.is_rank0:
-            batch = self._collect()
+            batch = self._collect(p)
             sent = None if batch is None else {"ids": batch.ids, "wait_s": batch.wait_s,
                                                 "filtered": batch.filtered.fields(),
                                                 "groups": [encode_group(g) for g in batch.groups]}  # fmt: skip
@@ -79,38 +77,38 @@ class Intake:
         groups = [decode_group(g) for g in got["groups"]]
         return Collected(got["ids"], groups, got["wait_s"], FilteredStats.from_fields(got["filtered"]))
 
-    def _collect(self) -> Collected | None:
+    def _collect(self, p: Progress) -> Collected | None:
         """Read until ``batch_groups`` usable groups (None: asked to stop)."""
         want = self.cfg.learner.batch_groups
         batch = Collected()
         t0 = time.perf_counter()
         next_notice = t0 + 30
-        backlog = self._backlog()
-        held = set(self.progress.window_groups)  # group ids trained since the last checkpoint, and taken for this batch
+        backlog = self._backlog(p)
+        held = set(p.window_groups)  # group ids trained since the last checkpoint, and taken for this batch
         while len(batch.groups) < want:
             if self.stop.is_set():
                 return None
-            got = self._read(backlog, want - len(batch.groups))
+            got = self._read(backlog, want - len(batch.groups), p)
             if got is not None:
-                self._take(got, batch, held)
+                self._take(got, batch, held, p)
             if time.perf_counter() > next_notice:
                 next_notice += 30
                 log.info("waiting for groups: %d of %d after %.0fs", len(batch.groups), want, time.perf_counter() - t0)
-        return Collected(batch.ids, batch.groups, time.perf_counter() - t0, self._filtered_since())
+        return Collected(batch.ids, batch.groups, time.perf_counter() - t0, self._filtered_since(p.step))
 
-    def _backlog(self) -> list[str]:
+    def _backlog(self, p: Progress) -> list[str]:
         """Between steps, what is pending for this consumer is the groups trained since the last checkpoint (the
         window) plus anything stranded: taken over at start, or read by a command whose reply was lost. Those come
         first, then new entries."""
-        self.identity.check(self.transport.identity_id())  # one HGET a step: did Redis lose the run?
+        self.identity.check(self.transport.identity_id(), p)  # one HGET a step: did Redis lose the run?
         try:
-            return self.transport.stranded(self.consumer, set(self.progress.window_ids))  # fetched a page at a time
+            return self.transport.stranded(self.consumer, set(p.window_ids))  # fetched a page at a time
         except redis.ResponseError as e:
-            if not self.identity.stream_gone(e):
+            if not self.identity.stream_gone(e, p):
                 raise
             return []
 
-    def _read(self, backlog: list[str], asked: int) -> Delivery | None:
+    def _read(self, backlog: list[str], asked: int, p: Progress) -> Delivery | None:
         """Up to ``asked`` entries: the backlog's first (it shrinks by those dealt with), then new ones (None: the
         stream was gone and is back, nothing read)."""
         if backlog:
@@ -120,37 +118,37 @@ class Intake:
         try:
             return self.transport.read(self.consumer, asked, self.cfg.learner.read_block_ms, self.read_limits)
         except redis.ResponseError as e:
-            if not self.identity.stream_gone(e):
+            if not self.identity.stream_gone(e, p):
                 raise
             return None
 
-    def _take(self, got: Delivery, batch: Collected, held: set[str]) -> None:
+    def _take(self, got: Delivery, batch: Collected, held: set[str], p: Progress) -> None:
         """Add the usable groups of one read to ``batch``; dead-letter or drop the others, counted by reason."""
-        self._dead_on_arrival(got.dead)
+        self._dead_on_arrival(got.dead, p)
         drops: dict[DropReason, list[str]] = {}
-        decoded = [(entry, msg) for entry in list(got) if (msg := self.decode(entry)) is not None]
+        decoded = [(entry, msg) for entry in list(got) if (msg := self.decode(entry, p)) is not None]
         trained = self.transport.trained_before([msg.group_id for _, msg in decoded])
         for (entry, msg), was_trained in zip(decoded, trained, strict=True):
             # The same group twice (an actor's write retried after a lost reply): it is trained once.
-            reason = "duplicate" if was_trained or msg.group_id in held else self.drop_reason(msg)
+            reason = "duplicate" if was_trained or msg.group_id in held else self.drop_reason(msg, p)
             if reason:
                 drops.setdefault(reason, []).append(entry.id)
             else:
                 batch.ids.append(entry.id)
-                batch.groups.append(self.aligned(msg))
+                batch.groups.append(self.aligned(msg, p))
                 held.add(msg.group_id)
         for reason, dropped in drops.items():
             self.transport.drop(dropped, reason)
-            self.progress.count_dropped(reason, len(dropped), self.metrics)
+            p.count_dropped(reason, len(dropped), self.metrics)
 
-    def _filtered_since(self) -> FilteredStats:
+    def _filtered_since(self, step: int) -> FilteredStats:
         """What actors filtered out since the previous batch: counted in Redis as each round was written (so no
         dropped group takes it along), read here once a batch, for the step's reward figures. A fresh run counts
         from its start, a resumed learner from its first batch."""
         totals = self.transport.filtered_totals()
         before = self._filtered_before
         if before is None:
-            before = FilteredStats() if self.progress.step == 0 else totals
+            before = FilteredStats() if step == 0 else totals
         self._filtered_before = totals
         return totals.since(before)
 
@@ -161,13 +159,13 @@ class Intake:
         most = message_byte_limit(self.cfg)
         return ReadLimits(most, max(8 * most, 8 * 2**20), self.cfg.learner.dead_letter_keep)
 
-    def _dead_on_arrival(self, dead: list[tuple[str, str]]) -> None:
+    def _dead_on_arrival(self, dead: list[tuple[str, str]], p: Progress) -> None:
         """Count the oversized entries a read dead-lettered (in Redis already)."""
         for entry_id, reason in dead:
             log.warning("dead-lettered %s: %s", entry_id, reason)
-        self.progress.count_dead(len(dead), self.metrics)
+        p.count_dead(len(dead), self.metrics)
 
-    def decode(self, entry: StreamEntry) -> GroupMessage | None:
+    def decode(self, entry: StreamEntry, p: Progress) -> GroupMessage | None:
         """The group, or None after dead-lettering a message that is malformed or does not fit this model."""
         try:
             if entry.payload is None:
@@ -178,7 +176,7 @@ class Intake:
         except SchemaError as e:
             log.warning("dead-lettering %s: %s", entry.id, e)
             self.transport.dead_letter(entry, str(e), self.cfg.learner.dead_letter_keep)
-            self.progress.count_dead(1, self.metrics)
+            p.count_dead(1, self.metrics)
             return None
 
     def check_fits(self, msg: GroupMessage) -> None:
@@ -193,13 +191,13 @@ class Intake:
         if longest is not None and len(msg.prompt_ids) + int(c.lengths.max()) > longest:
             raise SchemaError(f"{len(msg.prompt_ids) + int(c.lengths.max())} tokens exceed the model's {longest}")
 
-    def drop_reason(self, msg: GroupMessage) -> DropReason | None:
+    def drop_reason(self, msg: GroupMessage, p: Progress) -> DropReason | None:
         """Why a valid group cannot be trained on now, or None."""
         if len(msg.completions) != self.cfg.sampling.group_size:
             return "group_size"
         # In learner steps along this policy's lineage: "lineage" for weights of a dead branch (published by a
         # learner that crashed after its checkpoint), "future" for weights this learner has not reached.
-        reason, staleness = self.progress.lineage.age(msg.policy_version, msg.epoch, self.progress.step)
+        reason, staleness = p.lineage.age(msg.policy_version, msg.epoch, p.step)
         if reason:
             return reason
         # Too old: the importance ratio against a policy this far behind is no longer a small correction.
@@ -207,9 +205,8 @@ class Intake:
             return "stale"
         return None
 
-    def aligned(self, msg: GroupMessage) -> GroupMessage:
+    def aligned(self, msg: GroupMessage, p: Progress) -> GroupMessage:
         """The batch measures staleness as version − policy_version: a group of an earlier epoch is given the
         version its weights have in this epoch's numbering, so that it counts learner steps."""
-        p = self.progress
         version = p.version - p.lineage.age(msg.policy_version, msg.epoch, p.step)[1]
         return msg if version == msg.policy_version else replace(msg, policy_version=version)

@@ -74,10 +74,11 @@ class Learner:
         pad_id = pad_token_id(tokenizer, stop_ids)
         self.trainer = Trainer(cfg, model, pad_id, reference, ranks)
         self.evaluator = Evaluator(cfg, model, tokenizer, grader, metrics, stop_ids, pad_id, self.trainer.autocast)
-        self.publisher = Publisher(cfg, self.transport, model, tokenizer, metrics, self.progress, ranks)
-        self.identity = RunClaim(cfg, self.transport, self.progress, self.publisher)
-        self.intake = Intake(cfg, self.transport, model, metrics, self.progress, self.identity, ranks, self.stop)
-        self.record = Record(cfg, self.transport, metrics, self.progress, self.is_rank0)
+        # Where the learner stands is the loop's: each part is handed it by the call that reads or moves it.
+        self.publisher = Publisher(cfg, self.transport, model, tokenizer, metrics, ranks)
+        self.identity = RunClaim(cfg, self.transport, self.publisher)
+        self.intake = Intake(cfg, self.transport, model, metrics, self.identity, ranks, self.stop)
+        self.record = Record(cfg, self.transport, metrics, self.is_rank0)
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -90,7 +91,7 @@ class Learner:
                      self.cfg.run.name, steps, self.progress.step)  # fmt: skip
         last = time.perf_counter()
         while self.progress.step < steps:
-            batch = self.intake.collect()
+            batch = self.intake.collect(self.progress)
             if batch is None:
                 self.checkpoint()
                 log.info("stopped at step %d of %d (asked to stop); checkpoint written", self.progress.step, steps)
@@ -112,16 +113,16 @@ class Learner:
         resumed = self.resume()
         if self.is_rank0:
             if not resumed:
-                self.identity.claim()
+                self.identity.claim(self.progress)
             taken = self.transport.claim_pending(self.intake.consumer)  # read by an earlier learner, never settled
             if taken:
                 log.info("took over %d groups an earlier learner had read and not settled", len(taken))
             # The next row is step 0, or the one after the checkpoint.
-            self.record.open_trackers(self.progress.step + 1 if resumed else 0)
-        self.publisher.continue_versions()
+            self.record.open_trackers(self.progress.run_id, self.progress.step + 1 if resumed else 0)
+        self.publisher.continue_versions(self.progress)
         if self.is_rank0:
             self.transport.clear_done()  # (re)started to train: actors must not stop
-        self.publisher.publish()  # actors align with the version the learner starts (or resumes) from
+        self.publish()  # actors align with the version the learner starts (or resumes) from
         if not resumed:
             if self.is_rank0:
                 self.record.truncate(-1)  # rows of an earlier attempt that never checkpointed: trained again
@@ -142,14 +143,14 @@ class Learner:
         stats["time/train_s"] = time.perf_counter() - t_train
         self.still_holding()  # before this step's files: a learner that lost the run writes none
         if p.step % self.cfg.learner.publish_every == 0 or p.step == steps:
-            stats |= self.publisher.publish()
+            stats |= self.publish()
         if p.step % self.cfg.learner.eval_every == 0 or p.step == steps:
             stats |= self.evaluator.evaluate()
         if self.is_rank0:
             stats |= self.record.stream_figures()
         now = time.perf_counter()
         stats |= {"time/step_s": now - last, "time/wait_s": batch.wait_s}
-        row = self.record.metrics_row(stats)
+        row = self.record.metrics_row(stats, p)
         self.still_holding()  # an evaluation may have taken long: the row is the run's only while this learner holds it
         self.record.write(row)
         # After the row: a checkpoint must never cover a step whose row was not written (a learner killed in
@@ -160,6 +161,10 @@ class Learner:
             self.record.log_progress(row)
             self.record.raise_alarms(row)
         return now
+
+    def publish(self) -> dict[str, float]:
+        p = self.progress
+        return self.publisher.publish(p.version, p.lineage.current.epoch, last=p.step == self.cfg.run.steps)
 
     def still_holding(self) -> None:
         """One round trip before the learner writes files: :class:`LeaseLost` if another learner took the run over
@@ -227,7 +232,7 @@ class Learner:
         self.metrics.checkpoint_step.set(r.step)
         if not self.is_rank0:
             return True
-        self.identity.claim()
+        self.identity.claim(self.progress)
         self.transport.ack_trained(r.covers, r.covers_groups, r.step, self.cfg.checkpoint.dedup_window)
         self.record.truncate(r.step)
         log.info("resumed from %s: step %d, policy version %d", path, r.step, r.version)

@@ -55,7 +55,6 @@ class Publisher:
         model: Any,
         tokenizer: Any,
         metrics: LearnerMetrics,
-        progress: Progress,
         ranks: Ranks | None,
     ):
         self.cfg = cfg
@@ -63,18 +62,18 @@ class Publisher:
         self.model = model
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.progress = progress
         self.ranks = ranks
         self.broadcaster: Broadcaster | None = None  # weights.transport nccl, rank 0
         self._publish_lock = threading.Lock()  # one writer: the broadcast thread may write a version to disk too
         self._announced = -1  # the newest version this learner announced
         self._last_announcement: WeightsAnnouncement | None = None  # announced again if Redis loses it
+        self._epoch = 0  # the lineage's epoch of the version being published, which its announcement carries
 
-    def continue_versions(self) -> None:
+    def continue_versions(self, p: Progress) -> None:
         """A learner that crashed may have published weights of steps that no checkpoint has (or before its first
-        checkpoint). The weights we start from become the next version after every one announced or still on disk
-        (a Redis that lost its data no longer says), and a new epoch of the lineage begins there (learner.lineage)."""
-        p = self.progress
+        checkpoint). The weights we start from (``p``'s) become the next version after every one announced or still
+        on disk (a Redis that lost its data no longer says), and a new epoch of the lineage begins there
+        (learner.lineage): ``p``'s version and lineage move on."""
         if self.ranks is None or self.ranks.is_rank0:
             announced = latest_announcement(self.transport)
             top = newest_published(self.cfg, self.transport, announced)
@@ -87,23 +86,24 @@ class Publisher:
         if self.ranks is not None:
             p.version = int(self.ranks.broadcast(p.version))
 
-    def publish(self) -> dict[str, float]:
-        """Rank 0 hands the current version on and announces it; under torchrun every rank first helps gather it
-        whole. With nccl, the first and last versions, every ``weights.disk_every``-th, and any version some live
-        actor cannot take over NCCL are written to disk here."""
+    def publish(self, version: int, epoch: int, last: bool) -> dict[str, float]:
+        """Rank 0 hands the current weights on as ``version`` (of the lineage's ``epoch``) and announces them; under
+        torchrun every rank first helps gather them whole. With nccl, the first and ``last`` versions, every
+        ``weights.disk_every``-th, and any version some live actor cannot take over NCCL are written to disk here."""
         whole = self.ranks.full_model_state(self.model) if self.ranks is not None else None
         if self.ranks is not None and not self.ranks.is_rank0:
             return {}
         t0 = time.perf_counter()
+        self._epoch = epoch
         counts: dict[str, float] = {}
         if self.cfg.weights.transport == "nccl":
             b = self._broadcaster()
             counts = {"weights/nccl_rounds": float(b.rounds_ok), "weights/nccl_fallbacks": float(b.fallbacks)}
-            if not self._to_disk_now():
+            if not self._to_disk_now(version, last):
                 wc = self.cfg.weights
-                b.submit(self.progress.version, snapshot(self.model, whole, wc.dtype, int(wc.nccl_bucket_mb * 2**20)))
+                b.submit(version, snapshot(self.model, whole, wc.dtype, int(wc.nccl_bucket_mb * 2**20)))
                 return {"time/publish_s": time.perf_counter() - t0, **counts}
-        self._write(self.progress.version, whole)
+        self._write(version, whole)
         return {"time/publish_s": time.perf_counter() - t0, **counts}
 
     def _broadcaster(self) -> Broadcaster:
@@ -115,12 +115,12 @@ class Publisher:
             )  # fmt: skip
         return self.broadcaster
 
-    def _to_disk_now(self) -> bool:
+    def _to_disk_now(self, version: int, last: bool) -> bool:
         """Whether this nccl version goes to disk too: the first and last, every ``disk_every``-th, and any that a
         live actor outside the update group could not take."""
-        wc, p = self.cfg.weights, self.progress
-        first, last = self._announced < 0, p.step == self.cfg.run.steps
-        periodic = wc.disk_every > 0 and p.version % wc.disk_every == 0
+        wc = self.cfg.weights
+        first = self._announced < 0
+        periodic = wc.disk_every > 0 and version % wc.disk_every == 0
         return first or last or periodic or self._actors_without_nccl()
 
     def _write(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
@@ -171,7 +171,7 @@ class Publisher:
 
     def _announce(self, ann: WeightsAnnouncement) -> None:
         """Announce with this lineage's epoch (actors stamp it on their groups), and keep it to announce again."""
-        ann = replace(ann, epoch=self.progress.lineage.current.epoch)
+        ann = replace(ann, epoch=self._epoch)
         self.transport.announce_weights(ann)
         self._last_announcement = ann
 

@@ -33,13 +33,10 @@ _POLICY_KEYS = ("entropy", "completions/mean_length", "staleness/mean", "stalene
 
 
 class Record:
-    def __init__(
-        self, cfg: Config, transport: LearnerTransport, metrics: LearnerMetrics, progress: Progress, is_rank0: bool
-    ):
+    def __init__(self, cfg: Config, transport: LearnerTransport, metrics: LearnerMetrics, is_rank0: bool):
         self.cfg = cfg
         self.transport = transport
         self.metrics = metrics
-        self.progress = progress
         self.is_rank0 = is_rank0
         self.path = Path(cfg.run.dir) / "metrics.jsonl"
         lc = cfg.learner
@@ -49,13 +46,12 @@ class Record:
         self.accuracy: float | None = None  # the newest held-out accuracy, for the progress line
         self._recent: list[dict[str, Any]] = []  # the last rows, for the progress line's ETA
 
-    def open_trackers(self, first_row: int) -> None:
-        """After the run's identity (it names the W&B run); ``first_row``: the step of the next row."""
-        self.trackers = open_trackers(self.cfg, self.progress.run_id, first_row)
+    def open_trackers(self, run_id: str, first_row: int) -> None:
+        """After the run's identity (``run_id`` names the W&B run); ``first_row``: the step of the next row."""
+        self.trackers = open_trackers(self.cfg, run_id, first_row)
 
-    def metrics_row(self, stats: dict[str, float]) -> dict[str, Any]:
-        """The metrics.jsonl row of a step (DESIGN §4 keys first)."""
-        p = self.progress
+    def metrics_row(self, stats: dict[str, float], p: Progress) -> dict[str, Any]:
+        """The metrics.jsonl row of the step ``p`` has just taken (DESIGN §4 keys first)."""
         elapsed = time.perf_counter() - self.started
         row: dict[str, Any] = {
             "step": p.step,
@@ -91,8 +87,8 @@ class Record:
         if "eval/accuracy" in row:
             self.accuracy = row["eval/accuracy"]
         self.trackers.log(row)  # after metrics.jsonl, the record; a tracker's failure never reaches training
-        self.metrics.step.set(self.progress.step)
-        self.metrics.policy_version.set(self.progress.version)
+        self.metrics.step.set(row["step"])
+        self.metrics.policy_version.set(row["policy_version"])
         if "reward" in row:  # step 0's row has the evaluation alone
             self._export(row)
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from tests.conftest import REPO
 from tests.real_model.conftest import RECIPE
-from tests.unit.test_model_and_generation import probe_memory
+from tests.unit.test_generation import probe_memory
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
