@@ -1,4 +1,4 @@
-"""The wire module's small forms (see common.schemas, its front): the weights announcement, an actor's heartbeat, and
+"""The wire package's small forms (see common.schemas, its face): the weights announcement, an actor's heartbeat, and
 the values of weights over NCCL (a member's registration, a round, the learner's decision on it). Each has one
 encoding, and a decoder that validates it strictly: anything malformed is one SchemaError with a one-line reason."""
 

@@ -1,4 +1,4 @@
-"""What every form of the wire module (common.schemas) checks its fields with, and the error they all raise."""
+"""What every form of the wire package (common.schemas) checks its fields with, and the error they all raise."""
 
 from __future__ import annotations
 

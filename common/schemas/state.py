@@ -1,4 +1,4 @@
-"""The wire module's forms of the run's state in Redis (see common.schemas, its front): the durable counters
+"""The wire package's forms of the run's state in Redis (see common.schemas, its face): the durable counters
 (hash ``stats``), the run's identity (hash ``identity``), the done mark (string ``done``), a dead letter (an entry of
 the stream ``dead``), a round's reservation (a field of the hash ``inflight``) and the message on the ``weights``
 channel. Several are written inside Lua scripts (common.transport), so that a count and the operation it counts are

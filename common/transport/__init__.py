@@ -44,7 +44,7 @@ pass ``max_staleness``, so that generation is not spent on groups the learner wi
 
 The NCCL keys (``nccl:members``, ``nccl:round``, ``nccl:ready``, ``nccl:state``) carry weights over NCCL
 (common.weights.nccl); their values, like every value here that one process writes for another, are forms of the
-wire module (common.schemas).
+wire package (common.schemas).
 
 :class:`ActorTransport` (the producer's view), :class:`LearnerTransport` (the consumer's) and :class:`Transport`
 (the whole, for the operator) are built from parts, each in its own file, each with an actor's, a learner's or an

@@ -1,5 +1,5 @@
 """Who is there (part of common.transport): actors' heartbeats, and the members and rounds of weights over NCCL
-(the protocol is common.weights.nccl's). Every value is one of the wire module's forms (common.schemas)."""
+(the protocol is common.weights.nccl's). Every value is one of the wire package's forms (common.schemas)."""
 
 from __future__ import annotations
 

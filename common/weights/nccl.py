@@ -18,7 +18,7 @@ be there: a slow or dead actor costs a cancelled round, not a collective that ca
 dies between its "ready" and the end of the broadcast leaves the others to time out).
 
 Pure pieces (bucket plans, flattening) are tested on their own, and the round's wire form (:class:`Round`,
-:class:`Bucket`) with the wire module (common.schemas); :func:`open_group` is the one place that touches
+:class:`Bucket`) with the wire package (common.schemas); :func:`open_group` is the one place that touches
 torch.distributed.
 """
 
@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import torch
 
-# The round and its buckets travel between processes: their forms are the wire module's (imported from here too).
+# The round and its buckets travel between processes: their forms are the wire package's (imported from here too).
 from common.schemas import DTYPES, Bucket, Round
 
 __all__ = ["DTYPES", "Bucket", "Round", "abort_group", "assign_ranks", "close_group", "dtype_name", "flatten",

@@ -1,4 +1,4 @@
-"""The run's state as a real Redis holds it, read back through the wire module's forms (common.schemas.state): what
+"""The run's state as a real Redis holds it, read back through the wire package's forms (common.schemas.state): what
 the transport and its Lua scripts write is exactly what the forms read, field by field."""
 
 from __future__ import annotations

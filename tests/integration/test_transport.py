@@ -166,7 +166,7 @@ def test_heartbeat_expires(redis_url: str) -> None:
     t = transport(redis_url)
     t.heartbeat("actor-1", 0.3, {"version": 2})
     assert t.live_actors()["actor-1"].version == 2
-    assert Heartbeat.decode(t.client.get(t.keys.actor("actor-1"))).version == 2  # the wire module's form
+    assert Heartbeat.decode(t.client.get(t.keys.actor("actor-1"))).version == 2  # the wire package's form
     time.sleep(0.6)
     assert t.live_actors() == {}
 

@@ -81,6 +81,33 @@ def test_no_function_is_over_60_lines_without_a_reason() -> None:
     )
 
 
+MAX_SHARE_OF_COMMON_PART = 0.15
+
+
+def product_lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def common_parts() -> dict[str, int]:
+    """The lines of each sub-package of ``common/`` and of the files directly in it, taken together."""
+    common = REPO / "common"
+    parts = {"common/*.py": sum(product_lines(p) for p in common.glob("*.py"))}
+    for package in sorted(d for d in common.iterdir() if (d / "__init__.py").exists()):
+        parts[f"{rel(package)}/"] = sum(product_lines(p) for p in package.rglob("*.py"))
+    return parts
+
+
+def test_common_is_a_handful_of_parts_none_over_15_percent_of_the_product() -> None:
+    # A catch-all folder grows without anyone deciding it should: each concern the roles share is a sub-package
+    # of its own, and what is left directly in common/ is small and cross-cutting.
+    total = sum(product_lines(p) for p in files(*PRODUCT))
+    parts = common_parts()
+    over = [f"{name}: {n} lines, {n / total:.0%}" for name, n in parts.items() if n > MAX_SHARE_OF_COMMON_PART * total]
+    assert len(parts) > 2 and not over, f"of the product's {total} lines, over {MAX_SHARE_OF_COMMON_PART:.0%}:\n" + (
+        "\n".join(over)
+    )
+
+
 def reads_actor_section(node: ast.AST) -> bool:
     """``<x>.actor.<y>`` (``cfg.actor.engine``), the section itself (``cfg.actor``, ``self.config.actor``) or
     ``getattr(<x>, "actor")``."""

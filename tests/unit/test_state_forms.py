@@ -1,4 +1,4 @@
-"""The wire module's forms of the run's state in Redis (common.schemas.state): the counters, the run's identity, the
+"""The wire package's forms of the run's state in Redis (common.schemas.state): the counters, the run's identity, the
 done mark, a dead letter, a reservation and the weights channel's message. Each one's bytes are pinned to what the
 transport wrote before the forms existed, each round-trips, a malformed value is one SchemaError naming what is
 wrong, and the Lua scripts that write some of them name only fields the forms read."""

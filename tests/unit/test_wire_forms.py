@@ -1,5 +1,5 @@
-"""The wire module's small forms (common.schemas): heartbeats, NCCL members, rounds and decisions. Each one's bytes
-are pinned to what builds before the forms moved into the wire module wrote, so that a reader of one build and a
+"""The wire package's small forms (common.schemas): heartbeats, NCCL members, rounds and decisions. Each one's bytes
+are pinned to what builds before the forms moved into the wire package wrote, so that a reader of one build and a
 writer of another still agree; each round-trips, and a malformed value is one SchemaError naming what is wrong."""
 
 from __future__ import annotations
