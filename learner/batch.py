@@ -36,6 +36,11 @@ class Batch:
         return self.loss_mask.sum(dim=1)
 
     @property
+    def row_lengths(self) -> torch.Tensor:
+        """(B,) each row's real tokens, prompt and completion (the rest of the row is right padding)."""
+        return self.attention_mask.sum(dim=1)
+
+    @property
     def row_staleness(self) -> torch.Tensor:
         """(B,) the staleness of each completion's group."""
         return self.staleness.repeat_interleave(self.group_size)
@@ -93,6 +98,25 @@ def _penalties(groups: list[GroupMessage], group_size: int) -> torch.Tensor | No
         return None
     zeros = np.zeros(group_size, np.float32)
     return torch.from_numpy(np.concatenate([zeros if g.penalties is None else g.penalties for g in groups]))
+
+
+def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int, world: int = 1) -> list[torch.Tensor]:
+    """``rows`` (indices into the batch) grouped into micro-batches of at most ``budget`` padded tokens per rank's
+    forward (``learner.micro_batch_tokens``): longest rows first, so that rows of like length share a forward and
+    little of it is padding; a micro-batch takes rows while ⌈rows / world⌉ × its longest row fits, and a row longer
+    than the budget goes alone. Under torchrun every rank computes the same list (it is pure and deterministic), and
+    so takes the same number of micro-batches; each holds at least ``world`` rows, so that every rank has some of
+    each (a budget too small for that is exceeded, and a short last one joins the one before it)."""
+    order = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+    widths = lengths[order].tolist()
+    bounds = [0]
+    for i in range(1, len(widths)):
+        start = bounds[-1]
+        if i - start >= world and -(-(i + 1 - start) // world) * widths[start] > budget:
+            bounds.append(i)
+    if len(bounds) > 1 and len(widths) - bounds[-1] < world:
+        bounds.pop()
+    return [order[a:b] for a, b in zip(bounds, [*bounds[1:], len(widths)], strict=True)]
 
 
 def sampled_reward_stats(groups: list[GroupMessage], filtered: FilteredStats) -> dict[str, float]:

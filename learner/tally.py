@@ -25,6 +25,13 @@ class UpdateTally:
     grad_norm: float = 0.0
     n_applied: int = 0
     skipped: float = 0.0
+    # The forwards' positions (rows × each micro-batch's longest row) and the real tokens among them.
+    positions: float = 0.0
+    real: float = 0.0
+
+    def forwarded(self, positions: int, real: int) -> None:
+        self.positions += positions
+        self.real += real
 
     def add(self, metrics: dict[str, float], tokens: float) -> None:
         for k, v in metrics.items():
@@ -41,14 +48,16 @@ class UpdateTally:
         """The ranks' sums: token-weighted metrics, tokens, the loss's parts. (They agree on which updates were
         applied: the gradient norm is the whole model's.)"""
         keys = sorted(self.weighted)
-        total = ranks.sum([self.weighted[k] for k in keys] + [self.tokens, self.loss])
+        total = ranks.sum([self.weighted[k] for k in keys] + [self.tokens, self.loss, self.positions, self.real])
         self.weighted = defaultdict(float, zip(keys, total[: len(keys)], strict=True))
-        self.tokens, self.loss = total[-2], total[-1]
+        self.tokens, self.loss, self.positions, self.real = total[-4:]
 
     def stats(self) -> dict[str, float]:
         stats = {k: v / max(self.tokens, 1.0) for k, v in self.weighted.items()}
         n = self.n_applied
         stats |= {"loss": self.loss / n if n else math.nan, "grad_norm": self.grad_norm / n if n else math.nan}
+        if self.positions:  # the share of the training forwards spent on padding
+            stats["padding_frac"] = 1.0 - self.real / self.positions
         return stats | {"updates_skipped_nonfinite": self.skipped, "lr": self.lr}
 
 
@@ -70,7 +79,8 @@ class PolicyStats:
         as the trainer computed it for the loss; ``logprobs``: the sampled tokens'."""
         self.slices += 1
         m = mask[rows]
-        self.entropy += float((-(logp_all.exp() * logp_all).sum(-1) * m).sum())
+        # logp_all covers the forward's positions (cut to the rows' longest); beyond them the mask is 0.
+        self.entropy += float((-(logp_all.exp() * logp_all).sum(-1) * m[:, : logp_all.shape[1]]).sum())
         self.tokens += float(m.sum())
         fresh = m * (batch.row_staleness[rows] == 0).to(m.dtype).unsqueeze(1)
         self.mismatch += float(((logprobs - batch.behavior_logprobs[rows]).abs() * fresh).sum())

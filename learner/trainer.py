@@ -34,7 +34,7 @@ from common.grpo.advantages import group_advantages
 from common.grpo.logprobs import gather_tokens, scaled_log_softmax
 from common.hardware import describe_device, resolve_bf16
 from common.schemas import FilteredStats, GroupMessage
-from learner.batch import Batch, assemble, sampled_reward_stats
+from learner.batch import Batch, assemble, micro_batches, sampled_reward_stats
 from learner.distributed import Ranks
 from learner.loss import grpo_loss, importance_weights, micro_batch_weight
 from learner.schedule import lr_factor
@@ -175,7 +175,7 @@ class Trainer:
         step_tokens = inputs.mask[rows].sum()
         update_loss = 0.0
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in rows.tensor_split(self.cfg.learner.grad_accum):
+        for micro in self._micro_batches(rows, inputs.batch, tally):
             # The first micro-batch with tokens, judged on the whole micro-batch so that every rank takes its slice
             # of the same one.
             watch = first if first is not None and not first.slices and float(inputs.mask[micro].sum()) > 0 else None
@@ -189,6 +189,22 @@ class Trainer:
             tally.applied(update_loss, grad_norm.item(), self.lr)
             self.optimizer.step()
         self.scheduler.step()
+
+    def _micro_batches(self, rows: torch.Tensor, batch: Batch, tally: UpdateTally | None = None) -> list[torch.Tensor]:
+        """The micro-batches of ``rows``: ``grad_accum`` equal splits, or by ``micro_batch_tokens`` (rows of like
+        length together, each forward within the budget). The loss's weights (learner.loss.micro_batch_weight) make
+        either add up to the mini-batch's gradient. ``tally`` counts the forwards' padding."""
+        lc, lengths = self.cfg.learner, batch.row_lengths
+        if lc.micro_batch_tokens:
+            groups = micro_batches(rows, lengths, lc.micro_batch_tokens, self.world)
+        else:
+            groups = list(rows.tensor_split(lc.grad_accum))
+        if tally is not None:
+            for g in groups:
+                mine = self._mine(g)
+                if len(mine):
+                    tally.forwarded(len(mine) * int(lengths[mine].max()), int(lengths[mine].sum()))
+        return groups
 
     def _micro_batch(
         self,
@@ -253,9 +269,13 @@ class Trainer:
         ``watch``, what the policy shows (see :class:`PolicyStats`)."""
         lc = self.cfg.learner
         out = torch.zeros_like(mask)
-        for chunk in torch.arange(len(batch.rewards), device=mask.device).tensor_split(
-            lc.updates_per_batch * lc.grad_accum
-        ):
+        every = torch.arange(len(batch.rewards), device=mask.device)
+        chunks = (
+            micro_batches(every, batch.row_lengths, lc.micro_batch_tokens, self.world)
+            if lc.micro_batch_tokens
+            else every.tensor_split(lc.updates_per_batch * lc.grad_accum)
+        )
+        for chunk in chunks:
             rows = self._mine(chunk)
             logp_all, logprobs = self._forward(model, batch, rows)
             out[rows] = logprobs * mask[rows]
@@ -269,11 +289,18 @@ class Trainer:
 
     def _forward(self, model: Any, batch: Batch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``model``'s log-probs of every token at the sampling temperature, and of the batch's own tokens, for
-        ``rows``: one forward and one log-softmax, shared by the loss (or the scoring) and the entropy."""
+        ``rows``: one forward and one log-softmax, shared by the loss (or the scoring) and the entropy. The forward
+        is cut to the rows' longest (rows are right-padded: what follows it is padding for every one of them, and a
+        causal model's log-probs of the tokens before it do not depend on it); every token's log-probs cover those
+        positions, the batch's own tokens' are padded back with zeros to the batch's width."""
+        # A rank's slice may be empty (a micro-batch of fewer rows than ranks): it still runs the forward FSDP needs.
+        width = int(batch.row_lengths[rows].max()) if len(rows) else batch.input_ids.shape[1]
+        ids = batch.input_ids[rows, :width]
         with self.autocast():
-            logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits
+            logits = model(input_ids=ids, attention_mask=batch.attention_mask[rows, :width]).logits
         logp_all = scaled_log_softmax(logits[:, :-1], self.cfg.sampling.temperature)
-        return logp_all, gather_tokens(logp_all, batch.input_ids[rows, 1:])
+        logprobs = gather_tokens(logp_all, ids[:, 1:])
+        return logp_all, torch.nn.functional.pad(logprobs, (0, batch.input_ids.shape[1] - width))
 
     def _mine(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a micro-batch's rows (all of them in one process)."""

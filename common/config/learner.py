@@ -26,6 +26,16 @@ class LearnerConfig(Section):
     grad_accum: int = Field(
         1, ge=1, description="micro-batches per optimizer step (gradient accumulation): bounds activation memory"
     )
+    micro_batch_tokens: int = Field(
+        0,
+        ge=0,
+        description="a token budget per forward instead of grad_accum's equal row splits: each mini-batch's rows, "
+        "longest first, go into micro-batches of at most this many positions (rows x the longest row, per rank); "
+        "rows of like length share a forward, so less of it is padding (the step's padding_frac says how much), at "
+        "the cost of more, smaller forwards when lengths vary. The gradient is the same as one big mini-batch's for "
+        "dapo, grpo and dr_grpo; bnpo's token mean is per micro-batch by definition, so its gradient changes with "
+        "the split. 0 = grad_accum's splits",
+    )
     lr: float = Field(7e-5, gt=0, description="AdamW peak learning rate")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="after warm-up: constant, or a linear or cosine decay towards 0 at the end of the run"
@@ -104,6 +114,15 @@ class LearnerConfig(Section):
         "emulates bfloat16: a SmolLM2 step took 15x float32's time on an AVX2-only AMD EPYC); the learner's log "
         "says which it took",
     )
+
+    @model_validator(mode="after")
+    def _one_split(self) -> LearnerConfig:
+        if self.micro_batch_tokens and self.grad_accum > 1:
+            raise ValueError(
+                "grad_accum and micro_batch_tokens both split the micro-batches: set grad_accum to 1 with a "
+                "token budget, or micro_batch_tokens to 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fresh_enough(self) -> LearnerConfig:

@@ -55,11 +55,11 @@ def learner_command(world: int) -> list[str]:
 
 
 def train(processes, world: int, url: str, model: Path, root: Path, run: str, steps: int, *extra: str) -> list[dict]:  # type: ignore[no-untyped-def]
-    settings = [*extra,
+    settings = [
         f"redis.url={url}", f"model.path={model}", f"run.name={run}", f"run.dir={root / run}", f"run.steps={steps}",
         f"sampling.group_size={GROUP}", f"learner.batch_groups={BATCH}", "learner.updates_per_batch=2",
         "learner.grad_accum=2", "learner.lr=1e-3", "learner.max_staleness=10", "learner.eval_every=1000",
-        "task.eval_size=5", "checkpoint.every=1", "metrics.port=0",
+        "task.eval_size=5", "checkpoint.every=1", "metrics.port=0", *extra,
     ]  # fmt: skip
     log = root / f"{run}-{world}-ranks.log"
     proc = processes.start([*learner_command(world), *[a for o in settings for a in ("-o", o)]], log)
@@ -77,12 +77,17 @@ def published(url: str, run: str) -> dict[str, torch.Tensor]:
         t.close()
 
 
-# The defaults (dapo, proximal old log-probs, no KL), and the other paths through the loss: bnpo's per-micro-batch
-# token mean, the engine's log-probs as the denominator, and a KL penalty against a reference model sharded too.
-SETTINGS = [[], ["learner.loss_type=bnpo", "learner.old_logprobs=behavior", "learner.beta=0.05"]]
+# The defaults (dapo, proximal old log-probs, no KL), the other paths through the loss: bnpo's per-micro-batch
+# token mean, the engine's log-probs as the denominator, and a KL penalty against a reference model sharded too; and
+# micro-batches by tokens, which every rank must form alike.
+SETTINGS = [
+    [],
+    ["learner.loss_type=bnpo", "learner.old_logprobs=behavior", "learner.beta=0.05"],
+    ["learner.grad_accum=1", "learner.micro_batch_tokens=48"],
+]
 
 
-@pytest.mark.parametrize("extra", SETTINGS, ids=["dapo", "bnpo-behavior-kl"])
+@pytest.mark.parametrize("extra", SETTINGS, ids=["dapo", "bnpo-behavior-kl", "token-micro-batches"])
 def test_two_ranks_train_as_one_process_and_resume_in_one(  # type: ignore[no-untyped-def]
     tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes, extra: list[str]
 ) -> None:
@@ -99,7 +104,7 @@ def test_two_ranks_train_as_one_process_and_resume_in_one(  # type: ignore[no-un
     losses = [[r["loss"] for r in rows if r["step"] > 0] for rows in (one, two)]
     assert len(losses[0]) == STEPS and losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
     keys = ["clip_ratio/region_mean", "entropy", "reward", "completions/mean_length", "grad_norm"]
-    for key in keys + (["kl"] if extra else []):
+    for key in keys + (["kl"] if "learner.beta=0.05" in extra else []):
         assert [r[key] for r in one[1:]] == pytest.approx([r[key] for r in two[1:]], rel=1e-4, abs=1e-6), key
     w1, w2 = published(redis_url, "one"), published(redis_url, "two")
     assert w1.keys() == w2.keys()

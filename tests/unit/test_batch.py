@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from common.schemas import Completion, FilteredStats, GroupMessage
-from learner.batch import assemble, sampled_reward_stats
+from learner.batch import assemble, micro_batches, sampled_reward_stats
 
 
 def _group(prompt: list[int], comps: list[tuple[list[int], float]], version: int = 3, **kw: object) -> GroupMessage:
@@ -68,3 +69,19 @@ def test_sampled_reward_stats_include_what_actors_filtered() -> None:
     assert s["frac_reward_zero_std"] == pytest.approx(3 / 4)
     assert s["reward_std"] == pytest.approx(0.5 / 4)
     assert s["groups_sampled"] == 4
+
+
+def test_micro_batches_by_tokens_group_rows_of_like_length_within_the_budget() -> None:
+    lengths = torch.tensor([5, 9, 3, 9, 2, 7, 1, 8])
+    rows = torch.tensor([6, 1, 0, 3, 7, 2])  # a shuffled mini-batch of six of the eight rows
+    groups = micro_batches(rows, lengths, budget=18)
+    assert sorted(torch.cat(groups).tolist()) == sorted(rows.tolist())  # every row once
+    assert [g.tolist() for g in groups] == [[1, 3], [7, 0], [2, 6]]  # longest first: 2 x 9, 2 x 8, 2 x 3
+    assert all(len(g) * int(lengths[g].max()) <= 18 for g in groups)
+    # Two ranks: a micro-batch holds twice the rows (each rank's forward keeps to the budget); every rank computes it.
+    assert [g.tolist() for g in micro_batches(rows, lengths, budget=18, world=2)] == [[1, 3, 7, 0], [2, 6]]
+    # A row longer than the budget goes alone; under torchrun each micro-batch still has a row for every rank, the
+    # budget exceeded if it must, and a short last one joins the one before it.
+    assert [g.tolist() for g in micro_batches(rows, lengths, budget=4)] == [[1], [3], [7], [0], [2], [6]]
+    assert [g.tolist() for g in micro_batches(rows, lengths, budget=4, world=2)] == [[1, 3], [7, 0], [2, 6]]
+    assert [g.tolist() for g in micro_batches(rows, lengths, budget=4, world=4)] == [[1, 3, 7, 0, 2, 6]]

@@ -81,6 +81,39 @@ def test_gradient_accumulation_equals_one_big_mini_batch(policy, loss_type: str,
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
 
 
+def uneven(groups: list[GroupMessage]) -> list[GroupMessage]:
+    """The same groups with completions cut to 1, 2, 3, … tokens: rows of uneven lengths."""
+    from dataclasses import replace
+
+    def cut(c: Completion, n: int) -> Completion:
+        return Completion(c.token_ids[:n], c.logprobs[:n], c.reward, "length")
+
+    return [replace(g, completions=tuple(cut(c, 1 + j % 4) for j, c in enumerate(g.completions))) for g in groups]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_micro_batches_by_tokens_give_one_big_mini_batchs_gradient(policy, loss_type: str) -> None:  # type: ignore[no-untyped-def]
+    """Rows of like length share a forward (cut to its longest row): less padding, the same gradient."""
+    tok, model = policy
+    groups = uneven(groups_of(tok, model, [0] * 4))
+    base = ["learner.updates_per_batch=1", f"learner.loss_type={loss_type}", "learner.max_staleness=2"]
+    whole = captured_gradients(trainer_for(model, *base), groups)
+    by_tokens = trainer_for(model, *base, "learner.micro_batch_tokens=40")
+    forwards = count_forwards(by_tokens.model)
+    parts = captured_gradients(by_tokens, groups)
+    assert forwards[0] >= 3  # several micro-batches (after the proximal one, fused here: none)
+    for a, b in zip(whole, parts, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_micro_batches_by_tokens_pad_less(policy) -> None:  # type: ignore[no-untyped-def]
+    tok, model = policy
+    groups = uneven(groups_of(tok, model, [0] * 4))
+    rows = trainer_for(model, "learner.updates_per_batch=1").step(groups, version=0)
+    tokens = trainer_for(model, "learner.updates_per_batch=1", "learner.micro_batch_tokens=40").step(groups, version=0)
+    assert 0 <= tokens["padding_frac"] < rows["padding_frac"] < 1
+
+
 def test_truncated_completions_can_be_left_out_of_the_loss(policy) -> None:  # type: ignore[no-untyped-def]
     tok, model = policy
     cut = groups_of(tok, model, [0, 0], truncated=True)
