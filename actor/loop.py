@@ -22,6 +22,7 @@ from actor.engine_protocol import Engine, EngineError
 from actor.filter import Decision, ZeroStdFilter, filtered_stats, overlong_penalties, shaped
 from actor.inflight import InFlight, Round, rounds_in_flight
 from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
+from actor.prompts import PromptSource
 from common.config import Config
 from common.metrics import ActorMetrics
 from common.model.generation import Sample
@@ -90,6 +91,7 @@ class Actor:
         self.metrics = metrics
         self.task = make_task(cfg.task, cfg.run.seed)
         self.encode = PromptEncoder(engine.tokenizer, cfg.task)
+        self.prompts = PromptSource(cfg, self.task, transport, metrics)
         self.filter = ZeroStdFilter(cfg.actor.filter_zero_std, cfg.actor.max_consecutive_filtered)
         self.stop = threading.Event()
         lc = cfg.learner
@@ -299,8 +301,7 @@ class Actor:
         return now
 
     def next_problems(self) -> list[Problem]:
-        positions = self.transport.next_prompts(self.cfg.actor.prompts_per_round)
-        problems = [self.task.at(p) for p in positions]
+        problems = self.prompts.draw(self.cfg.actor.prompts_per_round)
         if self.prompt_limit is None:
             return problems
         fitting = [p for p in problems if len(self._encode_prompt(p)) <= self.prompt_limit]
@@ -357,6 +358,7 @@ class Actor:
         payloads, counters, filtered = self._filter_and_encode(rnd.problems, rnd.samples, rewards)
         if self._produce(payloads, counters, filtered, rnd.holder):
             self._count_sent(payloads, counters)
+        self.prompts.record(rnd.problems, rewards)  # what each problem taught, sent or not (difficulty sampling)
 
     def _filter_and_encode(
         self, problems: list[Problem], groups: list[list[Sample]], rewards: list[list[float]]

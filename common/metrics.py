@@ -52,6 +52,7 @@ WeightLoadFailure = Literal["unreadable", "mismatch", "path"]
 BroadcastFallback = Literal["no_members", "not_ready", "join", "broadcast", "error"]
 EngineEvent = Literal["cache_flush_retry", "version_from_reply"]
 AlarmKind = Literal["clip_ratio", "zero_std"]
+PromptPool = Literal["unseen", "informative", "solved", "unsolved", "flipping"]  # actor.difficulty's pools
 
 # Two bucket sets. Steps, generation rounds and grading take milliseconds to a minute. Moving whole weights does not:
 # a 70B-parameter model is 140 GB in bf16 and its checkpoint (optimizer state included) about four times that; at
@@ -215,6 +216,20 @@ class ActorMetrics(RedisMetrics):
         self.prompts_skipped = Counter(
             "grpo_actor_prompts_skipped", "training prompts longer than task.max_prompt_tokens, not sampled", registry=r
         )
+        self.prompts_taken = _at_zero(
+            Counter(
+                "grpo_actor_prompts_taken", "cursor positions whose problem a round drew, by the problem's pool "
+                "(actor.prompt_sampling=difficulty)", ["pool"], registry=r,
+            ),
+            PromptPool,
+        )  # fmt: skip
+        self.prompts_passed = _at_zero(
+            Counter(
+                "grpo_actor_prompts_passed", "cursor positions whose problem difficulty sampling passed over, by "
+                "the problem's pool", ["pool"], registry=r,
+            ),
+            PromptPool,
+        )  # fmt: skip
         self.completions = Counter("grpo_actor_completions", "completions generated", registry=r)
         self.tokens = Counter("grpo_actor_tokens_generated", "completion tokens generated", registry=r)
         self.reward = Gauge("grpo_actor_reward_mean", "mean reward of the last round", registry=r)

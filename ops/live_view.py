@@ -53,6 +53,14 @@ def waiting_for(s: Startup) -> tuple[str, str]:
     return "groups", f"waiting for {whose}: {s.produced} of the {s.batch} that step 1 takes{actors}"
 
 
+def passed_over(choices: dict[str, int]) -> str:
+    """``passed over 300 of 420 positions (solved 280, unsolved 20)``: difficulty sampling's choices in words."""
+    taken = sum(n for k, n in choices.items() if k.startswith("taken:"))
+    passed = {k.split(":", 1)[1]: n for k, n in choices.items() if k.startswith("passed:") and n}
+    each = f" ({', '.join(f'{k} {n}' for k, n in sorted(passed.items()))})" if passed else ""
+    return f"passed over {sum(passed.values())} of {taken + sum(passed.values())} positions{each}"
+
+
 class Progress:
     def __init__(self, cfg: Config, live: bool, started: float | None = None):
         self.cfg = cfg
@@ -64,6 +72,7 @@ class Progress:
         self.last: dict[str, Any] = {}
         self.accuracy: float | None = None
         self.waiting: str | None = None  # what the run waits for before its first step (None once it trains)
+        self.sampler: str | None = None  # what difficulty sampling passed over (None: the cursor draws)
         self._eta: tuple[float, float] | None = None  # (ETA in seconds, perf_counter when it was computed)
         self._next_plain = 0.0
         self._printed_step = -1
@@ -143,6 +152,10 @@ class Progress:
             self._next_plain = time.perf_counter() + _PLAIN_EVERY_S
             self._plain_step()
 
+    def sampled(self, choices: dict[str, int]) -> None:
+        """Difficulty sampling's choices so far (prompts:choices), shown under the table and after each step line."""
+        self.sampler = passed_over(choices)
+
     def finish(self) -> None:
         """Plain lines end with the last step, printed or not by the every-few-seconds rule."""
         if self._live is None and self.last and self.last["step"] != self._printed_step:
@@ -150,7 +163,8 @@ class Progress:
 
     def _plain_step(self) -> None:
         self._printed_step = self.last["step"]
-        self.say(step_line(self.last, self.cfg.run.steps, self.accuracy, self.elapsed(), self.eta()))
+        line = step_line(self.last, self.cfg.run.steps, self.accuracy, self.elapsed(), self.eta())
+        self.say(line + (f"  {self.sampler}" if self.sampler else ""))
 
     def _table(self) -> Table:
         r = self.last
@@ -159,6 +173,8 @@ class Progress:
             caption += f"  {self.waiting}"
         elif r:
             caption += f"  eta {clock(self.eta())}"
+        if self.sampler:
+            caption += f"\n{self.sampler}"
         t = Table(title=f"grpo run {self.cfg.run.name}", caption=caption, show_header=True)
         for col in ("step", "reward", "accuracy", "zero-std", "staleness", "groups/s", "clip", "step s"):
             t.add_column(col, justify="right")
@@ -192,5 +208,40 @@ class Progress:
         t.add_row("groups/s", fmt(s["groups_per_s"], ".1f"))
         filtered = sum(s["groups_filtered"].values())
         t.add_row("groups filtered by actors", str(filtered))
+        if s["prompt_choices"]:
+            t.add_row("difficulty sampling", passed_over(s["prompt_choices"]))
         self.console.print(t)
         self.console.print(f"accounting: {s['equation']}", highlight=False, soft_wrap=True)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarise(rows: list[dict[str, Any]], balance: Any, wall_s: float, choices: dict[str, int]) -> dict[str, Any]:
+    steps = [r for r in rows if r.get("step", 0) > 0 and "reward" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    rewards = [r["reward"] for r in steps]
+    return {
+        "steps": len(steps),
+        "wall_s": wall_s,
+        "reward_first10": _mean(rewards[:10]),
+        "reward_last10": _mean(rewards[-10:]),
+        "eval_accuracy_first": evals[0]["eval/accuracy"] if evals else None,
+        "eval_accuracy_final": evals[-1]["eval/accuracy"] if evals else None,
+        "frac_reward_zero_std_last10": _mean([r["frac_reward_zero_std"] for r in steps[-10:]]),
+        "staleness_mean": _mean([r["staleness/mean"] for r in steps]),
+        "staleness_max": max((r["staleness/max"] for r in steps), default=None),
+        "groups_per_s": steps[-1]["groups_per_s"] if steps else None,
+        "groups_produced": balance.produced,
+        "groups_trained": balance.trained,
+        "groups_dropped": balance.dropped,
+        "groups_dead": balance.dead,
+        "groups_in_stream": balance.in_stream,
+        "groups_pending": balance.pending,
+        "groups_unread": balance.unread,
+        "groups_filtered": balance.filtered,
+        "prompt_choices": choices,  # difficulty sampling's positions taken / passed over, by pool ({}: the cursor)
+        "unexplained": balance.unexplained,
+        "equation": balance.equation(),
+    }

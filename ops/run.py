@@ -89,7 +89,7 @@ class Run:
     prepared: bool = False  # prepare_dir ran: run.dir is this run's
     _made_dir: bool = False  # this start created run.dir (so a start that fails removes it)
     _kept: Path | None = None  # where prepare_dir moved the previous run (so a start that fails moves it back)
-    _watcher: Transport | None = None  # start-up only: reads what the processes have done so far (startup)
+    _watcher: Transport | None = None  # reads what the processes have done so far (startup, sampling_choices)
     _seen: dict[str, Any] = field(default_factory=dict)  # what it read last, and when
 
     @property
@@ -327,15 +327,30 @@ class Run:
     def _read_redis(self) -> dict[str, Any]:
         """One look, no retries and a short timeout: a Redis that does not answer at once is looked at again next
         time (and, if it is gone, the children say so)."""
-        if self._watcher is None:
-            quick = self.cfg.redis.model_copy(update={"retries": 0, "socket_timeout_s": 3.0})
-            self._watcher = Transport(quick, self.cfg.run.name)
-        t = self._watcher
+        t = self._watch()
         try:
             announced, produced = t.started_signs()
             return {"announced": announced, "produced": produced, "actors_ready": len(t.live_actors())}
         except redis.RedisError:
             return {}
+
+    def sampling_choices(self) -> dict[str, int] | None:
+        """Difficulty sampling's choices so far (``taken:<pool>``, ``passed:<pool>``), read every 2 s at most;
+        None when the run draws by the cursor."""
+        if self.cfg.actor.prompt_sampling != "difficulty":
+            return None
+        if time.monotonic() >= self._seen.get("next_choices", 0.0):
+            self._seen["next_choices"] = time.monotonic() + 2.0
+            t = self._watch()
+            with contextlib.suppress(redis.RedisError):
+                self._seen["choices"] = t.sampling_choices()[1]
+        return self._seen.get("choices", {})
+
+    def _watch(self) -> Transport:
+        if self._watcher is None:
+            quick = self.cfg.redis.model_copy(update={"retries": 0, "socket_timeout_s": 3.0})
+            self._watcher = Transport(quick, self.cfg.run.name)
+        return self._watcher
 
     def close_watcher(self) -> None:
         if self._watcher is not None:
@@ -363,38 +378,6 @@ def _without_password(url: str) -> str:
     userinfo, at, hosts = parts.netloc.rpartition("@")
     netloc = f"{userinfo.split(':', 1)[0]}@{hosts}" if at and userinfo.split(":", 1)[0] else hosts
     return urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def summarise(rows: list[dict[str, Any]], balance: Any, wall_s: float) -> dict[str, Any]:
-    steps = [r for r in rows if r.get("step", 0) > 0 and "reward" in r]
-    evals = [r for r in rows if "eval/accuracy" in r]
-    rewards = [r["reward"] for r in steps]
-    return {
-        "steps": len(steps),
-        "wall_s": wall_s,
-        "reward_first10": _mean(rewards[:10]),
-        "reward_last10": _mean(rewards[-10:]),
-        "eval_accuracy_first": evals[0]["eval/accuracy"] if evals else None,
-        "eval_accuracy_final": evals[-1]["eval/accuracy"] if evals else None,
-        "frac_reward_zero_std_last10": _mean([r["frac_reward_zero_std"] for r in steps[-10:]]),
-        "staleness_mean": _mean([r["staleness/mean"] for r in steps]),
-        "staleness_max": max((r["staleness/max"] for r in steps), default=None),
-        "groups_per_s": steps[-1]["groups_per_s"] if steps else None,
-        "groups_produced": balance.produced,
-        "groups_trained": balance.trained,
-        "groups_dropped": balance.dropped,
-        "groups_dead": balance.dead,
-        "groups_in_stream": balance.in_stream,
-        "groups_pending": balance.pending,
-        "groups_unread": balance.unread,
-        "groups_filtered": balance.filtered,
-        "unexplained": balance.unexplained,
-        "equation": balance.equation(),
-    }
 
 
 def main(argv: Sequence[str]) -> int:
@@ -456,6 +439,8 @@ def watch_run(run: Run, progress: Progress) -> None:
             progress.update(run.read_rows())
             if not progress.last:  # until the first step: what the run waits for
                 progress.starting(run.startup())
+            if (choices := run.sampling_choices()) is not None:
+                progress.sampled(choices)
             time.sleep(0.25)
     run.close_watcher()
     progress.update(run.read_rows())
@@ -469,9 +454,12 @@ def end_run(run: Run, progress: Progress) -> int:
     t = Transport(run.cfg.redis, run.cfg.run.name)
     try:
         balance = read_balance(t)
+        _, choices = t.sampling_choices()
     finally:
         t.close()
-    summary = summarise(run.rows, balance, time.perf_counter() - run.started)
+    from ops.live_view import summarise
+
+    summary = summarise(run.rows, balance, time.perf_counter() - run.started, choices)
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     progress.summary(summary)
     if balance.unexplained:

@@ -62,6 +62,7 @@ def _report(cfg: Config, t: Transport) -> dict[str, Any] | None:
     ann, weights_problem = _announced(t)
     actors = t.live_actors()
     holder, lease_problem = _holder(t)
+    on_record, choices = t.sampling_choices()
     return {
         "run": t.keys.prefix,
         # Balanced counts in a Redis that lost the run's state are not the run's accounting: never "balanced".
@@ -84,6 +85,8 @@ def _report(cfg: Config, t: Transport) -> dict[str, Any] | None:
         # lease); a malformed hash is said in words, as weights:latest's is.
         "learner": None if holder is None else {**asdict(holder), "line": lease_line(holder)},
         "learner_lease_malformed": lease_problem,
+        # Difficulty sampling (prompts:record, prompts:choices): problems on record, positions taken / passed over.
+        "prompts": {"on_record": on_record, "choices": choices},
     }
 
 
@@ -104,12 +107,27 @@ def print_status(name: str, r: Mapping[str, Any]) -> None:
         print(f"NOT WHOLE: {line}")
     print(f"dropped {counts(r['dropped'])}  filtered by actors {counts(r['filtered'])}  "
           f"discarded {counts(r['discarded'])}")  # fmt: skip
+    if line := sampling_line(r["prompts"]):
+        print(line)
     actors: Mapping[str, int | None] = r["actors"]
     if not actors:
         print("no live actors")
         return
     each = ", ".join(f"{k} ({'no weights yet' if v is None or v == -1 else f'v{v}'})" for k, v in actors.items())
     print(f"{len(actors)} live actor{'s' if len(actors) != 1 else ''}: {each}")
+
+
+def sampling_line(prompts: Mapping[str, Any]) -> str:
+    """What difficulty sampling chose, by the problems' pools; empty for a run that draws by the cursor."""
+    choices: Mapping[str, int] = prompts["choices"]
+    if not prompts["on_record"] and not choices:
+        return ""
+
+    def by_pool(kind: str) -> str:
+        return counts({k.split(":", 1)[1]: n for k, n in choices.items() if k.startswith(kind + ":")})
+
+    return (f"difficulty sampling: {prompts['on_record']} problems on record; positions taken {by_pool('taken')}, "
+            f"passed over {by_pool('passed')}")  # fmt: skip
 
 
 def lost_state(cfg: Config, t: Transport, trained: int) -> list[str]:

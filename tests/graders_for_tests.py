@@ -54,3 +54,11 @@ def slow_first_call(completion: str, reference: str) -> float:
     if _calls == 1:
         time.sleep(3)
     return float(completion == reference)
+
+
+def coin_or_never(completion: str, reference: str) -> float:
+    """``coin``: right or wrong by the completion's length, so a group of random completions is nearly always mixed;
+    ``never``: always wrong. What difficulty sampling tells apart."""
+    if reference == "coin":
+        return float(len(completion) % 2)
+    return 0.0

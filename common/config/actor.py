@@ -27,6 +27,28 @@ class ActorConfig(Section):
         "learner would wait for groups that actors waiting for its weights never send",
     )
     prompts_per_round: int = Field(16, ge=1, description="prompts generated together in one engine call")
+    prompt_sampling: Literal["cursor", "difficulty"] = Field(
+        "cursor",
+        description="which training problems a round draws: cursor = the shared cursor's shuffled passes, every "
+        "problem once a pass; difficulty = the same passes, but a problem whose recent groups were all right or "
+        "all wrong is passed over (drawn with the informative share of its recent groups, at least "
+        "actor.difficulty_floor). Buys fewer zero-std groups to sample and filter once many problems are solved "
+        "(or hopeless); costs a Redis hash of every problem's recent outcomes and a lookup per round",
+    )
+    difficulty_floor: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="difficulty sampling: the least chance that a problem whose recent groups taught nothing is "
+        "drawn when the cursor reaches it, so that one the model forgets (or starts to learn) comes back; lower "
+        "saves more samples, and notices such a change later",
+    )
+    difficulty_window: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="difficulty sampling: how many recent groups of each problem its record keeps (one byte each)",
+    )
     filter_zero_std: bool = Field(True, description="DAPO dynamic sampling: drop groups whose rewards are all equal")
     max_consecutive_filtered: int = Field(
         64,

@@ -9,6 +9,10 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 ``weights:latest``     hash        ``version``, ``uri``, ``digest``, ``format``, ``published_at``
 ``weights``            channel     pub/sub: the new version number (common.schemas.weights_wakeup), with the hash update
 ``prompts:cursor``     counter     shared by actors so replicas do not repeat prompts
+``prompts:record``     hash        problem id -> its recent outcomes (``m``/``r``/``w`` per group; difficulty sampling,
+                                   common.transport.difficulty)
+``prompts:choices``    hash        ``taken:<pool>``, ``passed:<pool>``: cursor positions the difficulty sampler took or
+                                   passed over
 ``actors:<id>``        string+TTL  heartbeat (JSON, common.schemas.Heartbeat)
 ``stats``              hash        durable counters (common.schemas.RunCounters), see below
 ``done``               string      set by the learner after its last step (common.schemas.DoneMark); actors exit then
@@ -55,6 +59,7 @@ common.transport.connection  the URL (plain, TLS, Sentinel), the bounded retry, 
 common.transport.admission   actors: writing rounds, reserving room for them (``inflight``), the prompt cursor
 common.transport.delivery    the learner: delivering within a byte budget, taking over, settling groups
 common.transport.dead        dead letters: the learner moves them, the operator reads and replays them
+common.transport.difficulty  actors: the problems' record for difficulty sampling; its counts (operator)
 common.transport.members     heartbeats and NCCL members (actors), the actors alive and the NCCL rounds (learner)
 common.transport.run         the announcement, done mark, identity and counters: read by all, written by the
                              learner; the runs in a Redis (operator)

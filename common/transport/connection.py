@@ -82,6 +82,8 @@ class Keys:
         self.weights_latest = self.prefix + "weights:latest"
         self.weights_channel = self.prefix + "weights"
         self.prompts_cursor = self.prefix + "prompts:cursor"
+        self.prompts_record = self.prefix + "prompts:record"
+        self.prompts_choices = self.prefix + "prompts:choices"
         self.stats = self.prefix + "stats"
         self.done = self.prefix + "done"
         self.trained_ids = self.prefix + "trained_ids"

@@ -176,7 +176,7 @@ class RunAdmin(Connection):
         announcement or the done mark. One EXISTS: the keys share one slot."""
         k = self.keys
         keys = (k.identity, k.stats, k.groups, k.prompts_cursor, k.inflight, k.dead, k.weights_latest, k.done,
-                k.filtered)  # fmt: skip
+                k.filtered, k.prompts_record)  # fmt: skip
         return bool(self._do(lambda: self.client.exists(*keys)))
 
     def run_names(self, max_scans: int) -> list[str]:

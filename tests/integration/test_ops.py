@@ -59,9 +59,12 @@ def test_read_and_replay_dead_letters(redis_url: str) -> None:
     t.heartbeat("actor-1", 30, {"version": 3})
     assert "learner: no learner holds the run" in grpo(redis_url, "status").stdout
     assert t.acquire_lease(LeaseHolder(0, "learner-box-4242-ab", "box", 4242, 0.0), 30, floor=0) is None
+    assert "difficulty sampling" not in grpo(redis_url, "status").stdout  # the cursor keeps no record
+    t.record_outcomes([("add-3-5", "m"), ("add-1-1", "r")], 4, {"taken:unseen": 2, "passed:solved": 3})
     status = grpo(redis_url, "status", "--json")
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
+    assert report["prompts"] == {"on_record": 2, "choices": {"taken:unseen": 2, "passed:solved": 3}}
     assert report["unexplained"] == 0 and report["dead"] == 2 and report["pending"] == 1
     assert report["discarded"] == {"stopped": 4} and report["dropped"] == {"stale": 1}  # --json keeps the dicts
     assert report["published_version"] is None and report["done"] is False
@@ -73,6 +76,8 @@ def test_read_and_replay_dead_letters(redis_url: str) -> None:
     assert "dropped 1 (stale 1)  filtered by actors 5 (zero_std 5)  discarded 4 (stopped 4)" in text.stdout
     assert "published version none yet  learner finished: no" in text.stdout
     assert "1 live actor: actor-1 (v3)" in text.stdout
+    assert ("difficulty sampling: 2 problems on record; positions taken 2 (unseen 2), passed over 3 (solved 3)"
+            in text.stdout)  # fmt: skip
     assert re.search(
         r"learner: held by box pid 4242 \(lease token 1\) since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC, its lease "
         r"ends in \d+s unless renewed",

@@ -23,6 +23,7 @@ def test_keys_live_under_the_run_hash_tag(redis_url: str) -> None:
     t.ensure_consumer_group()
     t.produce([b"x"], {"groups_filtered:zero_std": 2})
     t.next_prompts(3)
+    t.record_outcomes([("p1", "m")], 4, {"taken:unseen": 1})
     t.heartbeat("a1", 5, {})
     t.announce_weights(WeightsAnnouncement(1, "/w/v1", "xxh3-128:" + "a" * 32))
     t.mark_done()
@@ -39,7 +40,9 @@ def test_keys_live_under_the_run_hash_tag(redis_url: str) -> None:
         "grpo:{my-run}:nccl:ready",
         "grpo:{my-run}:nccl:round",
         "grpo:{my-run}:nccl:state",
+        "grpo:{my-run}:prompts:choices",
         "grpo:{my-run}:prompts:cursor",
+        "grpo:{my-run}:prompts:record",
         "grpo:{my-run}:stats",
         "grpo:{my-run}:weights:latest",
     ]

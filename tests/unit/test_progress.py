@@ -84,3 +84,18 @@ def test_the_plain_view_says_since_when_it_waits(capsys: pytest.CaptureFixture[s
         "[2:10] the learner is training step 1 (9 groups sent, 8 a step), since 2:10",
     ]
     assert view.waiting == "the learner is training step 1 (9 groups sent, 8 a step), since 2:10"
+
+
+def test_difficulty_samplings_choices_follow_each_plain_step_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from common.config import load_config
+    from ops.live_view import Progress, passed_over
+
+    choices = {"taken:unseen": 40, "taken:informative": 98, "passed:unsolved": 99, "passed:informative": 2,
+               "passed:solved": 0}  # fmt: skip
+    assert passed_over(choices) == "passed over 101 of 239 positions (informative 2, unsolved 99)"
+    assert passed_over({}) == "passed over 0 of 0 positions"
+    view = Progress(load_config(None, []), live=False, started=0.0)
+    view.sampled(choices)
+    row = {"step": 3, "reward": 0.5, "frac_reward_zero_std": 0.25, "staleness/mean": 0.5, "groups_per_s": 1.0}
+    view.update([row])
+    assert capsys.readouterr().out.rstrip().endswith("passed over 101 of 239 positions (informative 2, unsolved 99)")
