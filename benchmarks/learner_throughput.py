@@ -40,20 +40,25 @@ PRESETS = {
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}  # dense bf16
 
 
-def synthetic_groups(n: int, size: int, prompt_len: int, completion_len: int, vocab: int, rng: np.random.Generator):  # type: ignore[no-untyped-def]
+def synthetic_groups(  # type: ignore[no-untyped-def]
+    n: int, size: int, prompt_len: int, completion_len: int, vocab: int, rng: np.random.Generator, shortest: int = 0
+):
+    """Groups of random tokens; each completion ``completion_len`` long, or with ``shortest`` a length drawn
+    uniformly from [shortest, completion_len] (uneven, as sampled answers are)."""
     from common.schemas import Completion, GroupMessage
 
     groups = []
     for i in range(n):
         prompt = rng.integers(3, vocab, prompt_len, dtype=np.int32)
+        lengths = rng.integers(shortest, completion_len + 1, size) if shortest else [completion_len] * size
         completions = tuple(
             Completion(
-                rng.integers(3, vocab, completion_len, dtype=np.int32),
-                np.full(completion_len, -np.log(vocab), np.float32),
+                rng.integers(3, vocab, int(length), dtype=np.int32),
+                np.full(int(length), -np.log(vocab), np.float32),
                 float(j % 2),
-                "length",
+                "length" if length == completion_len else "stop",
             )
-            for j in range(size)
+            for j, length in enumerate(lengths)
         )
         groups.append(GroupMessage(f"p{i}", 0, "bench", prompt, completions))
     return groups
@@ -71,6 +76,12 @@ def main() -> int:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--completion-len", type=int, default=512)
+    p.add_argument(
+        "--completion-min",
+        type=int,
+        default=0,
+        help="uneven completions: lengths drawn from [this, --completion-len] (0: all that long)",
+    )
     p.add_argument("--grad-accum", type=int, default=4)
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="learner config")
@@ -105,25 +116,28 @@ def main() -> int:
     )  # fmt: skip
     trainer = Trainer(cfg, model, pad_id=0)
     rng = np.random.default_rng(0)
-    tokens_per_step = args.groups * args.group_size * (args.prompt_len + args.completion_len)
+    step_tokens = []  # each step's real tokens (prompt and completion, no padding)
 
     def sync() -> None:
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    times = []
+    times, padding = [], []
     for step in range(args.steps + 1):
         groups = synthetic_groups(args.groups, args.group_size, args.prompt_len, args.completion_len,
-                                  vocab, rng)  # fmt: skip
+                                  vocab, rng, args.completion_min)  # fmt: skip
         sync()
         t0 = time.perf_counter()
         stats = trainer.step(groups, 0)
         sync()
         if step > 0:  # the first step pays for allocation and kernel selection
             times.append(time.perf_counter() - t0)
+            step_tokens.append(sum(len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions))
+            padding.append(stats.get("padding_frac", 0.0))
         assert np.isfinite(stats["loss"]), stats
     step_s = statistics.median(times)
-    tokens_per_s = tokens_per_step / step_s
+    tokens_per_step = statistics.median(step_tokens)
+    tokens_per_s = tokens_per_step / step_s  # real tokens: padding is work, not throughput
     report: dict[str, object] = {
         "model": args.model or args.preset,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
@@ -132,7 +146,11 @@ def main() -> int:
         "bf16_compute": trainer.bf16,
         "threads": torch.get_num_threads(),
         "parameters": n_params,
+        "micro_batch_tokens": cfg.learner.micro_batch_tokens,
+        "grad_accum": cfg.learner.grad_accum,
+        "completion_lengths": [args.completion_min or args.completion_len, args.completion_len],
         "tokens_per_step": tokens_per_step,
+        "padding_frac": round(statistics.mean(padding), 4),
         "step_s_median": round(step_s, 3),
         "tokens_per_s": round(tokens_per_s, 1),
         "step_s": [round(t, 3) for t in times],
