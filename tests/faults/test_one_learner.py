@@ -72,7 +72,7 @@ def test_a_second_learner_on_a_live_run_never_trains(demo_model_dir: Path, redis
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     args = run_settings(redis_url, demo_model_dir, run_dir, "one", steps, BATCH, "checkpoint.every=2",
-                        "run.lease_ttl_s=60", "learner.min_step_s=0.5")  # fmt: skip
+                        "run.lease_ttl_s=60", "learner.min_step_s=1.5")  # fmt: skip
     t = Transport(RedisConfig(url=redis_url), "one")
     first = processes.grpo("learner", *args, log=logs / "first.log")
     actor = processes.grpo("actor", *args, log=logs / "actor.log")
@@ -87,14 +87,16 @@ def test_a_second_learner_on_a_live_run_never_trains(demo_model_dir: Path, redis
         second = processes.grpo("learner", *args, "-o", "learner.if_held=exit", log=logs / "second.log")
         assert second.wait(timeout=120) == 4, _tail(logs)
         assert files(run_dir) == before and keys(t) == redis_before
+        # A third learner starts while the run is still far from done (its start-up must not outlast the first's
+        # steps, or it would find the run finished and never wait).
+        third = processes.grpo("learner", *args, log=logs / "third.log")
     finally:
         for p in (first, actor):
             p.send_signal(signal.SIGCONT)
     line = (logs / "second.log").read_text().strip().splitlines()[-1]
     assert line.startswith("grpo learner: run one is held by ") and f"pid {first.pid} (lease token 1)" in line, line
 
-    # A third waits, saying for whom, and writes nothing while it does; the first trains to its last step.
-    third = processes.grpo("learner", *args, log=logs / "third.log")
+    # The third waits, saying for whom, and writes nothing while it does; the first trains to its last step.
     assert wait_until(lambda: "waiting for run one: held by" in (logs / "third.log").read_text(), 120), _tail(logs)
     assert f"pid {first.pid}" in (logs / "third.log").read_text()
     for p in (first, actor):  # and while it waits, it writes nothing either
