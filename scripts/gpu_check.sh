@@ -6,26 +6,7 @@
 # Needs torch with CUDA, transformers, numpy, safetensors, msgpack, pydantic and pyyaml importable (no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-}
-if [ -z "$PYTHON" ]; then
-  if [ -x .venv/bin/python ] && .venv/bin/python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-    PYTHON=.venv/bin/python
-  else
-    PYTHON=python3
-  fi
-fi
-"$PYTHON" - <<'PY'
-import sys
-try:
-    import torch, transformers  # noqa: F401
-except ImportError as e:
-    sys.exit(f"gpu_check: {e}; install torch (CUDA) and transformers for this python")
-if not torch.cuda.is_available():
-    sys.exit("gpu_check: torch sees no CUDA device")
-print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}",
-      file=sys.stderr)
-PY
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+source scripts/gpu_python.sh  # PYTHON, checked to have torch with CUDA
 # Two batch shapes of the demo's loss (dapo, 4 mini-batches per step): short and long completions.
 "$PYTHON" benchmarks/learner_throughput.py --preset 0.5b --dtype bfloat16 --steps 5 --groups 16 --group-size 8 \
   --prompt-len 128 --completion-len 512 --grad-accum 2

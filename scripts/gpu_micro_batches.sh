@@ -7,22 +7,7 @@
 # Needs torch with CUDA, transformers, numpy, safetensors, msgpack, pydantic and pyyaml importable (no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-}
-if [ -z "$PYTHON" ]; then  # ./.venv where its torch sees CUDA, else python3 on PATH
-  PYTHON=python3
-  if [ -x .venv/bin/python ] && .venv/bin/python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' \
-    2>/dev/null; then PYTHON=.venv/bin/python; fi
-fi
-"$PYTHON" - <<'PY'
-import sys
-try:
-    import torch
-except ImportError as e:
-    sys.exit(f"gpu_micro_batches: {e}; install torch (CUDA) and transformers for this python")
-if not torch.cuda.is_available():
-    sys.exit("gpu_micro_batches: torch sees no CUDA device")
-PY
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+source scripts/gpu_python.sh  # PYTHON, checked to have torch with CUDA
 # 8 groups of 8: 64 rows in 2 mini-batches (updates_per_batch 2) of 32 rows each.
 common=(--preset 0.5b --dtype bfloat16 --steps 3 --groups 8 --group-size 8 --prompt-len 256
         --completion-len 2048 --completion-min 512 -o learner.updates_per_batch=2)
