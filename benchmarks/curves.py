@@ -53,6 +53,20 @@ def time_to_accuracy(c: dict[str, list[float]], target: float) -> float | None:
     return next((t for t, a in zip(c["eval_seconds"], c["accuracy"], strict=True) if a >= target), None)
 
 
+def mean_accuracy(c: dict[str, Any], horizon: float) -> float:
+    """The area under held-out accuracy against seconds, over [0, horizon], divided by it: the mean accuracy over
+    that time, each evaluation's accuracy holding until the next one's."""
+    times, accs = c["eval_seconds"], c["accuracy"]
+    if horizon <= 0:
+        return accs[0]
+    area = 0.0
+    for i, (t, a) in enumerate(zip(times, accs, strict=True)):
+        end = min(times[i + 1] if i + 1 < len(times) else horizon, horizon)
+        if end > t:
+            area += a * (end - t)
+    return area / horizon
+
+
 # One actor, its round a whole batch, nothing filtered: what a synchronous loop needs (see actor.synchronous).
 PAIR = ["run.actors=1", "actor.prompts_per_round=32", "learner.batch_groups=32", "actor.filter_zero_std=false"]
 

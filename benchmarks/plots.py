@@ -90,11 +90,12 @@ def scale(result: dict[str, Any], png: Path) -> bool:
 
 def versus_trl(result: dict[str, Any], png: Path) -> bool:
     """B2: reward and held-out accuracy against wall-clock, the project's demo and TRL's GRPOTrainer, each seed."""
-    colors = {"project": "tab:blue", "trl": "tab:orange"}
+    colors = {"project": "tab:blue", "nofilter": "tab:green", "trl": "tab:orange"}
+    names = {"project": "grpo-pipeline", "nofilter": "grpo-pipeline, no zero-std filter", "trl": "TRL GRPOTrainer"}
     runs = [
         (
             run,
-            f"{'grpo-pipeline' if run['kind'] == 'project' else 'TRL GRPOTrainer'} seed {run['seed']}",
+            f"{names[run['kind']]} seed {run['seed']}",
             {"color": colors[run["kind"]], "alpha": 1.0 if run["seed"] == 0 else 0.5},
         )
         for run in result["runs"]

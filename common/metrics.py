@@ -216,19 +216,11 @@ class ActorMetrics(RedisMetrics):
         self.prompts_skipped = Counter(
             "grpo_actor_prompts_skipped", "training prompts longer than task.max_prompt_tokens, not sampled", registry=r
         )
-        self.prompts_taken = _at_zero(
-            Counter(
-                "grpo_actor_prompts_taken", "cursor positions whose problem a round drew, by the problem's pool "
-                "(actor.prompt_sampling=difficulty)", ["pool"], registry=r,
-            ),
-            PromptPool,
-        )  # fmt: skip
-        self.prompts_passed = _at_zero(
-            Counter(
-                "grpo_actor_prompts_passed", "cursor positions whose problem difficulty sampling passed over, by "
-                "the problem's pool", ["pool"], registry=r,
-            ),
-            PromptPool,
+        # Difficulty sampling's choices (actor.prompt_sampling=difficulty), by the problem's pool.
+        self.prompts_taken, self.prompts_passed = (
+            _at_zero(Counter(f"grpo_actor_prompts_{kind}", f"cursor positions whose problem a round {what}, by the "
+                             "problem's pool (actor.prompt_sampling=difficulty)", ["pool"], registry=r), PromptPool)
+            for kind, what in (("taken", "drew"), ("passed", "passed over"))
         )  # fmt: skip
         self.completions = Counter("grpo_actor_completions", "completions generated", registry=r)
         self.tokens = Counter("grpo_actor_tokens_generated", "completion tokens generated", registry=r)

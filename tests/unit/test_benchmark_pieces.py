@@ -30,6 +30,36 @@ def test_curve_and_time_to_target() -> None:
     assert curves.time_to_target({"seconds": [1.0], "reward": [0.1]}) is None
 
 
+def test_the_area_under_accuracy_holds_each_evaluation_until_the_next() -> None:
+    c = {"eval_seconds": [0.0, 10.0, 20.0], "accuracy": [0.2, 0.4, 0.6]}
+    assert curves.mean_accuracy(c, 20.0) == pytest.approx((0.2 * 10 + 0.4 * 10) / 20)
+    assert curves.mean_accuracy(c, 15.0) == pytest.approx((0.2 * 10 + 0.4 * 5) / 15)
+    assert curves.mean_accuracy(c, 30.0) == pytest.approx((2 + 4 + 0.6 * 10) / 30)  # the last one holds on
+    assert curves.mean_accuracy(c, 0.0) == 0.2
+
+
+def b2_run(kind: str, seed: int, seconds: float, ttt: float | None, auc: float) -> dict[str, Any]:
+    return {"kind": kind, "seed": seed, "completions_per_s": 64 / seconds, "completions_sampled_per_s": 640 / seconds,
+            "time_to_target_s": ttt, "accuracy_auc_mean": auc}  # fmt: skip
+
+
+def test_b2_ratios_are_per_seed_with_their_median_and_the_worst_seed_held_to_its_goal() -> None:
+    import versus_trl
+
+    setting = versus_trl.SETTINGS["headroom"]
+    assert setting.target_for(0) == pytest.approx(dict(setting.baseline)[0] + 0.20)
+    ours = [b2_run("project", 0, 10, 20, 0.5), b2_run("project", 1, 10, 30, 0.5), b2_run("project", 2, 10, 40, 0.5)]
+    theirs = [b2_run("trl", 0, 20, 50, 0.4), b2_run("trl", 1, 20, 100, 0.4), b2_run("trl", 2, 20, 100, 0.5)]
+    r = versus_trl._ratios(setting, ours, theirs)
+    assert [s["time_to_target_ratio"] for s in r["per_seed"]] == [0.4, 0.3, 0.4]
+    assert r["time_to_target_ratio"] == 0.4 and r["completions_per_s_ratio"] == 2.0
+    assert r["accuracy_auc_ratio"] == pytest.approx(1.25) and r["ok"] is True
+    ours[0]["time_to_target_s"] = 45  # one seed at 0.9 of TRL's time: the median holds, the worst seed does not
+    assert versus_trl._ratios(setting, ours, theirs)["ok"] is False
+    ours[0]["time_to_target_s"] = None  # a seed that never reached the target fails the goal too
+    assert versus_trl._ratios(setting, ours, theirs)["ok"] is False
+
+
 def colours(png: Path) -> Any:
     """The distinct RGB colours of ``png``, decoded, and its size."""
     import numpy as np
