@@ -36,7 +36,10 @@ def _reward_and_accuracy(result: dict[str, Any], png: Path, what: str, runs: lis
         ax_r.plot(run["seconds"], run["reward"], label=label, linewidth=1, **style)
         ax_a.plot(run["eval_seconds"], run["accuracy"], marker="o", markersize=3, label=label, **style)
     target_axis = ax_r if result.get("target", "reward") == "reward" else ax_a
-    target_axis.axhline(result.get("target_value", result.get("target_reward")), color="grey", linewidth=0.5)
+    # One target, or one per seed (a lift over each seed's untrained accuracy): a grey line each.
+    targets = set((result.get("targets") or {}).values()) or {result.get("target_value", result.get("target_reward"))}
+    for target in targets:
+        target_axis.axhline(target, color="grey", linewidth=0.5)
     ax_r.set(xlabel="wall-clock seconds", ylabel="reward (every sampled completion)", title=f"{what}: reward")
     ax_a.set(xlabel="wall-clock seconds", ylabel="greedy held-out accuracy", title=f"{what}: eval/accuracy")
     ax_r.legend(fontsize=8)
