@@ -33,7 +33,8 @@ class ActorConfig(Section):
         "problem once a pass; difficulty = the same passes, but a problem whose recent groups were all right or "
         "all wrong is passed over (drawn with the informative share of its recent groups, at least "
         "actor.difficulty_floor). Buys fewer zero-std groups to sample and filter once many problems are solved "
-        "(or hopeless); costs a Redis hash of every problem's recent outcomes and a lookup per round",
+        "(or hopeless), from a problem's second draw on: a run that samples fewer groups than the training set has "
+        "problems gains nothing; costs a Redis hash of every problem's recent outcomes and a lookup per round",
     )
     difficulty_floor: float = Field(
         0.1,
