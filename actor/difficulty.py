@@ -92,14 +92,21 @@ class Draw:
 
 
 def choose(
-    positions: Sequence[int], histories: Sequence[str], seed: int, floor: float, ids: Sequence[str], in_round: set[str]
+    positions: Sequence[int],
+    histories: Sequence[str],
+    seed: int,
+    floor: float,
+    ids: Sequence[str],
+    in_round: set[str] | None,
 ) -> Draw:
     """Take or pass over each cursor position's problem (``ids``), given its history. A problem already in the
-    round (``in_round``, updated) is passed over: a round that reaches into the next pass may meet it again."""
+    round (``in_round``, updated) is passed over: a round that reaches into the next pass may meet it again (None: a
+    round larger than the training set, which must repeat problems, as the cursor's does)."""
     draw = Draw()
     for i, (position, history, problem_id) in enumerate(zip(positions, histories, ids, strict=True)):
-        take = problem_id not in in_round and uniform(seed, position) < draw_chance(history, floor)
-        if take:
+        repeated = in_round is not None and problem_id in in_round
+        take = not repeated and uniform(seed, position) < draw_chance(history, floor)
+        if take and in_round is not None:
             in_round.add(problem_id)
         draw.count(i, history, take)
     return draw

@@ -40,7 +40,7 @@ class PromptSource:
         taken: list[Problem] = []
         passed: list[Problem] = []
         claimed, cap = 0, position_cap(k, self.floor)
-        in_round: set[str] = set()
+        in_round: set[str] | None = set() if k <= len(self.task.train) else None  # no problem twice in a round
         while len(taken) < k and claimed < cap:
             positions = self.transport.next_prompts(min(k - len(taken), cap - claimed))  # never more than it needs
             claimed += len(positions)
@@ -53,7 +53,11 @@ class PromptSource:
         if len(taken) < k:  # the cap: a whole round of the problems passed over first (see position_cap)
             log.info("difficulty sampling passed over %d positions for a round of %d: taking %d of them", claimed, k,
                      k - len(taken))  # fmt: skip
-            taken += [p for p in passed if p.id not in in_round][: k - len(taken)]
+            for p in passed:
+                if len(taken) < k and (in_round is None or p.id not in in_round):
+                    taken.append(p)
+                    if in_round is not None:
+                        in_round.add(p.id)
         return taken
 
     def record(self, problems: Sequence[Problem], rewards: Sequence[Sequence[float]]) -> None:

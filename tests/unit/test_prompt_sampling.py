@@ -195,3 +195,11 @@ def test_a_round_is_whole_even_when_every_problem_sits_at_the_floor() -> None:
     assert len(s.draw(8)) == 8
     assert record.cursor <= position_cap(8, 0.01)
     assert position_cap(1, 0.1) == 220  # what keeps a short round's chance of falling short under 1e-6
+
+
+def test_a_round_larger_than_the_training_set_repeats_problems_as_the_cursor_does() -> None:
+    task = Task("t", [Problem(f"p{i}", f"{i}", "0") for i in range(3)], [], seed=0)
+    record = Record()
+    drawn = source(record, task).draw(8)
+    assert len(drawn) == 8 and {p.id for p in drawn} == {"p0", "p1", "p2"}
+    assert record.cursor == 8  # every problem unseen: eight positions, no detour
