@@ -59,7 +59,6 @@ def test_learner_throughput_runs_the_real_trainer() -> None:
     assert 0 < report["mfu"] < 1 and report["mfu"] == pytest.approx(mfu, abs=6e-5)
 
 
-
 def test_learner_throughput_with_uneven_answers_reports_the_padding_of_each_split() -> None:
     common = [str(REPO / "benchmarks" / "learner_throughput.py"), "--preset", "tiny", "--device", "cpu", "--dtype",
               "float32", "--steps", "1", "--groups", "2", "--group-size", "8", "--prompt-len", "8",
@@ -69,6 +68,7 @@ def test_learner_throughput_with_uneven_answers_reports_the_padding_of_each_spli
     assert one["completion_lengths"] == [4, 64] and one["tokens_per_step"] < 2 * 8 * (8 + 64)  # real tokens only
     assert (one["micro_batch_tokens"], by_tokens["micro_batch_tokens"]) == (0, 144)
     assert 0 < by_tokens["padding_frac"] < one["padding_frac"]  # rows of like length share a forward
+
 
 def check_trials(case: dict[str, Any], ours: str, theirs: str, trials: int) -> None:
     """``case`` has ``trials_<ours>_s`` and ``trials_<theirs>_s``, ``trials`` times each; its ``ratio`` is the median of
