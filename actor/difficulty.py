@@ -23,13 +23,10 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import get_args
 
 from common.grpo.advantages import is_zero_std
-from common.metrics import PromptPool
 
 INFORMATIVE, SOLVED, UNSOLVED = "m", "r", "w"  # one group's outcome: mixed rewards, all right, all wrong
-POOLS: tuple[str, ...] = get_args(PromptPool)
 
 
 def outcome(rewards: Sequence[float]) -> str:
@@ -46,9 +43,9 @@ def appended(history: str, new: str, window: int) -> str:
 
 
 def pool(history: str) -> str:
-    """Which of :data:`POOLS` a problem is in, by its history: unseen, informative (a recent group taught
-    something), solved (all recent groups all right), unsolved (all all wrong), flipping (all right and all wrong
-    by turns, never mixed)."""
+    """Which pool (common.metrics.PromptPool) a problem is in, by its history: unseen, informative (a recent group
+    taught something), solved (all recent groups all right), unsolved (all all wrong), flipping (all right and all
+    wrong by turns, never mixed)."""
     if not history:
         return "unseen"
     if INFORMATIVE in history:
