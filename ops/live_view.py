@@ -17,6 +17,7 @@ from rich.table import Table
 
 from common.config import Config
 from common.pace import clock, eta_s, fmt, step_line
+from common.transport import choices_of
 
 _PLAIN_EVERY_S = 5.0
 
@@ -55,8 +56,8 @@ def waiting_for(s: Startup) -> tuple[str, str]:
 
 def passed_over(choices: dict[str, int]) -> str:
     """``passed over 300 of 420 positions (solved 280, unsolved 20)``: difficulty sampling's choices in words."""
-    taken = sum(n for k, n in choices.items() if k.startswith("taken:"))
-    passed = {k.split(":", 1)[1]: n for k, n in choices.items() if k.startswith("passed:") and n}
+    taken = sum(choices_of("taken", choices).values())
+    passed = {pool: n for pool, n in choices_of("passed", choices).items() if n}
     each = f" ({', '.join(f'{k} {n}' for k, n in sorted(passed.items()))})" if passed else ""
     return f"passed over {sum(passed.values())} of {taken + sum(passed.values())} positions{each}"
 

@@ -19,7 +19,7 @@ from typing import Any
 from common.cli import EXIT_USAGE, role_parser
 from common.config import Config, load_config
 from common.schemas import LeaseHolder, SchemaError, WeightsAnnouncement
-from common.transport import Transport, lease_line, read_balance
+from common.transport import Transport, choices_of, lease_line, read_balance
 from ops.query import asking, query_transport, unknown_run_line
 
 
@@ -122,12 +122,8 @@ def sampling_line(prompts: Mapping[str, Any]) -> str:
     choices: Mapping[str, int] = prompts["choices"]
     if not prompts["on_record"] and not choices:
         return ""
-
-    def by_pool(kind: str) -> str:
-        return counts({k.split(":", 1)[1]: n for k, n in choices.items() if k.startswith(kind + ":")})
-
-    return (f"difficulty sampling: {prompts['on_record']} problems on record; positions taken {by_pool('taken')}, "
-            f"passed over {by_pool('passed')}")  # fmt: skip
+    return (f"difficulty sampling: {prompts['on_record']} problems on record; positions taken "
+            f"{counts(choices_of('taken', choices))}, passed over {counts(choices_of('passed', choices))}")  # fmt: skip
 
 
 def lost_state(cfg: Config, t: Transport, trained: int) -> list[str]:

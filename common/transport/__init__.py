@@ -75,6 +75,7 @@ from __future__ import annotations
 from common.transport.admission import Admission, MessageTooLarge, round_fits
 from common.transport.connection import CONSUMER_GROUP, Keys, SentinelURL, TransportError, parse_sentinel_url
 from common.transport.delivery import DEAD_PREFIX_BYTES, Delivery, ReadLimits, StreamEntry
+from common.transport.difficulty import choices_of
 from common.transport.lease import LeaseHeld, LeaseLost, lease_line
 from common.transport.run import Balance, read_balance
 from common.transport.views import ActorTransport, LearnerTransport, Transport
@@ -96,6 +97,7 @@ __all__ = [
     "StreamEntry",
     "Transport",
     "TransportError",
+    "choices_of",
     "lease_line",
     "parse_sentinel_url",
     "read_balance",

@@ -75,6 +75,11 @@ class ProblemRecords(Connection):
         self._do(lambda: self._record_script(keys=keys, args=args))
 
 
+def choices_of(kind: str, choices: Mapping[str, int]) -> dict[str, int]:
+    """The counts of one kind (``taken`` or ``passed``) of ``prompts:choices``, by pool."""
+    return {k.split(":", 1)[1]: n for k, n in choices.items() if k.startswith(kind + ":")}
+
+
 class ProblemRecordsReading(Connection):
     """What anyone may read of it: how many problems it holds and the choices counted."""
 
