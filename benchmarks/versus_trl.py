@@ -394,9 +394,9 @@ def _ratios(setting: Setting, ours: list[dict[str, Any]], theirs: list[dict[str,
     times = [s["time_to_target_ratio"] for s in per_seed if s["time_to_target_ratio"] is not None]
     ttt = statistics.median(times) if times else None
     aucs = [s["accuracy_auc_ratio"] for s in per_seed if s["accuracy_auc_ratio"] is not None]
-    ok = rate >= setting.rate_goal and ttt is not None and ttt <= setting.time_goal and len(times) == len(per_seed)
-    if setting.worst_time_goal is not None:
-        ok = ok and max(times, default=float("inf")) <= setting.worst_time_goal
+    ok = rate >= setting.rate_goal and ttt is not None and ttt <= setting.time_goal
+    if setting.worst_time_goal is not None:  # every seed within it: one that never reached the target is not
+        ok = ok and len(times) == len(per_seed) and max(times, default=float("inf")) <= setting.worst_time_goal
         ok = ok and bool(aucs) and statistics.median(aucs) >= 1.0
     return {
         "per_seed": per_seed,
