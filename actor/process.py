@@ -7,8 +7,10 @@ import logging
 import os
 import signal
 import socket
+import time
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from actor.engine import make_engine
 from actor.engine_protocol import Engine, EngineError
@@ -72,9 +74,11 @@ def run_actor(cfg: Config) -> int:
             cfg.actor.prompts_per_round,
             server.listening,
         )
+        started = time.perf_counter()
         reason = actor.run()
+        sent = f"{actor.groups_sent} groups sent in {actor.rounds} rounds"
         log.info(
-            "actor %s stopped (%s): %d groups sent in %d rounds", actor_id, reason, actor.groups_sent, actor.rounds
+            "actor %s stopped (%s): %s; %s", actor_id, reason, sent, time_split(registry, time.perf_counter() - started)
         )
         return 0
     except EngineError as e:  # the engine's server is gone or answers nonsense: say so, and let it be restarted
@@ -86,3 +90,12 @@ def run_actor(cfg: Config) -> int:
         grader.close()
         server.close()
         transport.close()
+
+
+def time_split(registry: CollectorRegistry, seconds: float) -> str:
+    """Where the actor's time went: generating, waiting for room (backpressure: the learner is the slower half, and
+    an actor sharing its cores could lend them), and the rest (grading, sending, loading weights)."""
+    generating = registry.get_sample_value("grpo_actor_generation_seconds_sum") or 0.0
+    waiting = registry.get_sample_value("grpo_actor_backpressure_wait_seconds_total") or 0.0
+    rest = max(seconds - generating - waiting, 0.0)
+    return f"{seconds:.0f} s: {generating:.0f} s generating, {waiting:.0f} s waiting for room, {rest:.0f} s the rest"

@@ -182,3 +182,16 @@ def test_a_long_backpressure_wait_is_counted_while_it_lasts() -> None:
 
     actor._wait(blocked)
     assert seen[0] == 0 and seen[3] >= 0.1  # counted during the wait, before it ended
+
+
+def test_actor_time_split_reads_the_actors_own_counters() -> None:
+    """The actor's last log line says where its time went, from the same counters Prometheus scrapes."""
+    from actor.process import time_split
+    from common.metrics import ActorMetrics, process_registry
+
+    registry = process_registry("run")
+    metrics = ActorMetrics(registry)
+    metrics.generation_seconds.observe(30.0)
+    metrics.generation_seconds.observe(10.0)
+    metrics.backpressure_seconds.inc(12.0)
+    assert time_split(registry, 60.0) == "60 s: 40 s generating, 12 s waiting for room, 8 s the rest"
