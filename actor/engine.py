@@ -20,6 +20,7 @@ import torch
 
 from actor.engine_protocol import Engine
 from common.config import Config
+from common.cores import core_borrower
 from common.hardware import describe_device, resolve_bf16
 from common.model.generation import Sample, generate, pad_token_id, stop_token_ids
 from common.model.loading import load_pretrained
@@ -45,6 +46,9 @@ class LocalEngine:
         if cfg.actor.autocast == "auto":
             log.info("actor.autocast auto: %s on %s", "bfloat16" if self.bf16 else "off (float32 compute)",
                      describe_device(self.device.type))  # fmt: skip
+        # actor.borrow_idle_cores: a thread more per core the learner left idle (waiting for a batch), chosen at
+        # each decode step.
+        self.cores = core_borrower(cfg.actor.borrow_idle_cores and self.device.type == "cpu", cfg.actor.torch_threads)
         torch.manual_seed(seed)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
@@ -59,6 +63,7 @@ class LocalEngine:
                 stop_ids=self.stop_ids,
                 pad_id=self.pad_id,
                 temperature=None if greedy else s.temperature,
+                each_step=self.cores.adjust if self.cores is not None else None,
             )
 
     def load(self, ann: WeightsAnnouncement) -> int:

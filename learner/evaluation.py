@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from common.config import Config
+from common.cores import CoreBorrower
 from common.metrics import LearnerMetrics
 from common.model.generation import generate
 from common.tasks import PromptEncoder, eval_problems
@@ -31,6 +32,7 @@ class Evaluator:
         stop_ids: set[int],
         pad_id: int,
         autocast: Callable[[], Any],
+        cores: CoreBorrower | None = None,
     ):
         self.cfg = cfg
         self.model = model
@@ -43,10 +45,12 @@ class Evaluator:
         self.stop_ids = stop_ids
         self.pad_id = pad_id
         self.autocast = autocast  # the trainer's: forward passes in the precision training uses
+        self.cores = cores  # the trainer's (learner.borrow_idle_cores): threads chosen at each decode step
 
     def _greedy(self, prompts: Any, n: int, _greedy: bool) -> Any:
         return generate(self.model, prompts, n=n, max_new_tokens=self.cfg.sampling.max_new_tokens,
-                        stop_ids=self.stop_ids, pad_id=self.pad_id, temperature=None)  # fmt: skip
+                        stop_ids=self.stop_ids, pad_id=self.pad_id, temperature=None,
+                        each_step=self.cores.adjust if self.cores is not None else None)  # fmt: skip
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

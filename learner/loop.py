@@ -73,7 +73,9 @@ class Learner:
         stop_ids = stop_token_ids(model, tokenizer)
         pad_id = pad_token_id(tokenizer, stop_ids)
         self.trainer = Trainer(cfg, model, pad_id, reference, ranks)
-        self.evaluator = Evaluator(cfg, model, tokenizer, grader, metrics, stop_ids, pad_id, self.trainer.autocast)
+        self.evaluator = Evaluator(
+            cfg, model, tokenizer, grader, metrics, stop_ids, pad_id, self.trainer.autocast, self.trainer.cores
+        )
         # Where the learner stands is the loop's: each part is handed it by the call that reads or moves it.
         self.publisher = Publisher(cfg, self.transport, model, tokenizer, metrics, ranks)
         self.identity = RunClaim(cfg, self.transport, self.publisher)

@@ -70,6 +70,12 @@ class ActorConfig(Section):
         "grace period)",
     )
     torch_threads: int = Field(1, ge=1, description="torch CPU threads of each actor process")
+    borrow_idle_cores: bool = Field(
+        False,
+        description="local engine: at each decode step, take one more torch thread per core of this machine the "
+        "run's other processes left idle (the learner waiting for a batch), and give it back as soon as they use it "
+        "again (Linux: reads /proc/stat); measured in docs/benchmarks.md (B2)",
+    )
     autocast: Literal["off", "bfloat16", "auto"] = Field(
         "off",
         description="the local engine's forward passes in bfloat16 (weights stay in model.dtype); auto: bfloat16 "

@@ -99,6 +99,12 @@ class LearnerConfig(Section):
         "rather than spinning)",
     )
     torch_threads: int = Field(1, ge=1, description="torch CPU threads of the learner")
+    borrow_idle_cores: bool = Field(
+        False,
+        description="before each forward and each evaluation batch, take one more torch thread per core of this "
+        "machine the run's other processes left idle since the last one (an actor waiting for room), and give it "
+        "back as soon as they use it again (Linux: reads /proc/stat); measured in docs/benchmarks.md (B2)",
+    )
     min_step_s: float = Field(
         0.0,
         ge=0,

@@ -12,7 +12,7 @@ completions. Greedy decoding (evaluation) records nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,10 +102,12 @@ def generate(
     pad_id: int,
     temperature: float | None,
     greedy_logprobs: bool = False,
+    each_step: Callable[[], object] | None = None,
 ) -> list[list[Sample]]:
     """``n`` completions for each prompt (prompt-major), sampled at ``temperature`` or greedy when it is None.
     Greedy completions carry log-probs (at temperature 1, as a SGLang server reports them) only when
-    ``greedy_logprobs`` asks for them."""
+    ``greedy_logprobs`` asks for them. ``each_step`` is called before every forward of the decode loop (the torch
+    threads chosen there: common.cores)."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     # Left padding: every row's next token comes right after its last prompt token.
@@ -132,7 +134,7 @@ def generate(
         max_new_tokens=max_new_tokens,
         eos_token_id=sorted(stop_ids),
         pad_token_id=pad_id,
-        logits_processor=[record] if record else None,
+        logits_processor=[p for p in (record, _each_step(each_step)) if p is not None] or None,
         return_dict_in_generate=True,
     )
     new_tokens = out.sequences[:, width:]
@@ -146,3 +148,16 @@ def generate(
             rows.append([])
         rows[-1].append(sample)
     return rows
+
+
+def _each_step(call: Callable[[], object] | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``call`` as a logits processor: run once per decode step (after the step's forward, so before the next
+    one), the scores unchanged."""
+    if call is None:
+        return None
+
+    def processor(_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        call()
+        return scores
+
+    return processor

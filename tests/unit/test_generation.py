@@ -64,6 +64,21 @@ def test_greedy_is_deterministic_and_seeded_sampling_reproducible(model_and_toke
     assert c == d
 
 
+def test_each_step_is_called_at_every_decode_step_and_changes_nothing(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The hook the core borrower rides (common.cores): once per generated token, the samples and log-probs as
+    without it."""
+    model, tok = model_and_tokenizer
+    kw = dict(n=2, max_new_tokens=5, stop_ids=set(), pad_id=tok.pad_token_id, temperature=1.0)
+    prompts = [tok("4+4=").input_ids]
+    torch.manual_seed(7)
+    plain = generate(model, prompts, **kw)
+    steps: list[int] = []
+    torch.manual_seed(7)
+    hooked = generate(model, prompts, **kw, each_step=lambda: steps.append(1))
+    assert hooked == plain
+    assert len(steps) == 5  # no stop token: every one of the 5 steps ran
+
+
 def probe_memory(model: str, rows: int, steps: int) -> dict:
     """Sample ``rows`` completions of ``steps`` tokens in a process of its own (tests/memory_probe.py) and check that
     its peak memory grew by no more than the KV cache, a few steps' logits and some slack: what keeping every

@@ -1,0 +1,103 @@
+"""Borrowing idle cores: a role that shares the machine's cores with the run's other processes (the learner and a
+local-engine actor on one machine, each given one torch thread) takes one more thread for each core the others left
+idle since it last looked, and gives it back as soon as they use it again.
+
+Why look at the machine, not at Redis: whether an actor is waiting for room (backpressure) or the learner for a batch
+is known in Redis, but whether they share this machine's cores is not; the CPU time the other processes used says
+both at once, for any placement. Why give the thread back at once: two threads of one torch pool on a core another
+process also wants wait on each other at every parallel region (a 40-problem evaluation took 44 s instead of 2.4 s
+that way), so a borrowed thread must not outlive the idleness that justified it.
+
+:func:`threads_for` is the pure rule; :class:`CoreBorrower` reads ``/proc/stat`` (the busy time of the cores this
+process may run on) and the process's own CPU time, and sets torch's thread count before each piece of work."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("cores")
+
+IDLE_SHARE = 0.75  # a core counts as idle when the other processes left at least this share of it unused
+MIN_INTERVAL_S = 0.5  # shorter intervals say too little (the kernel counts in 10 ms ticks): keep the last choice
+
+
+def threads_for(base: int, cores: int, others_busy: float) -> int:
+    """Threads to use: ``base`` (the role's setting) plus one for every further core the other processes left idle,
+    ``others_busy`` being the cores' worth of CPU time they used over the last interval."""
+    spare = cores - base - others_busy  # cores' worth nobody else used, beyond the role's own threads
+    return max(base, min(cores, base + int(spare + (1 - IDLE_SHARE))))
+
+
+def busy_seconds(cpus: set[int], stat: Path = Path("/proc/stat")) -> float:
+    """CPU seconds the cores ``cpus`` spent busy (all but idle and iowait) since boot, from the per-core lines."""
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = 0
+    for line in stat.read_text().splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+        busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy / tick
+
+
+class CoreBorrower:
+    """Sets torch's thread count before each forward or generation: the role's ``base`` threads, and the cores the
+    other processes left idle since the last call (see the module's docstring)."""
+
+    def __init__(
+        self,
+        base: int,
+        set_threads: Callable[[int], None],
+        busy: Callable[[], float] | None = None,
+        own: Callable[[], float] = time.process_time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        cpus = os.sched_getaffinity(0)
+        self.base, self.cores = base, len(cpus)
+        self.set_threads, self.own, self.clock = set_threads, own, clock
+        self.busy = busy or (lambda: busy_seconds(cpus))
+        self.threads = base
+        self.borrowed_s = 0.0  # seconds run with more threads than base: how much borrowing happened
+        self._since = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        return self.clock(), self.busy(), self.own()
+
+    def adjust(self) -> int:
+        """Choose the threads for the next piece of work from the interval since the last call that chose; cheap
+        (a clock read) when called again within ``MIN_INTERVAL_S``, so it may be called at every decode step."""
+        wall = self.clock() - self._since[0]
+        if wall < MIN_INTERVAL_S:
+            return self.threads
+        now = self._sample()
+        wall = now[0] - self._since[0]
+        others = max(0.0, (now[1] - self._since[1]) - (now[2] - self._since[2])) / wall
+        if self.threads > self.base:
+            self.borrowed_s += wall
+        threads = threads_for(self.base, self.cores, others)
+        if threads != self.threads:
+            log.debug(
+                "torch threads %d -> %d (others used %.2f of %d cores)", self.threads, threads, others, self.cores
+            )
+            self.set_threads(threads)
+            self.threads = threads
+        self._since = now
+        return threads
+
+
+def core_borrower(enabled: bool, base: int) -> CoreBorrower | None:
+    """A borrower for a role whose setting asks for one; None (with a warning) where ``/proc/stat`` is unreadable."""
+    if not enabled:
+        return None
+    try:
+        import torch
+
+        return CoreBorrower(base, torch.set_num_threads)
+    except (OSError, ValueError, AttributeError) as e:  # no /proc (not Linux), or no affinity call
+        log.warning("borrowing idle cores is off: the cores' busy time cannot be read here (%s)", e)
+        return None
