@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("cores")
 
@@ -101,3 +102,29 @@ def core_borrower(enabled: bool, base: int) -> CoreBorrower | None:
     except (OSError, ValueError, AttributeError) as e:  # no /proc (not Linux), or no affinity call
         log.warning("borrowing idle cores is off: the cores' busy time cannot be read here (%s)", e)
         return None
+
+
+def adjust_within(model: Any, adjust: Callable[[], object]) -> list[Any]:
+    """Call ``adjust`` before each block of ``model`` (the members of its module lists: a transformer's layers) in
+    the forward and, through a hook on the block's output, in the backward: one training forward and backward takes
+    many seconds, and the other processes may start or stop waiting in the middle of it. The hooks' handles."""
+    import torch
+
+    def backward_hook(grad: torch.Tensor) -> torch.Tensor:
+        adjust()
+        return grad
+
+    def before(_module: Any, _inputs: Any) -> None:  # None: a pre-hook's return value would replace the inputs
+        adjust()
+
+    def after(_module: Any, _inputs: Any, output: Any) -> None:
+        first = output[0] if isinstance(output, tuple | list) else output
+        if isinstance(first, torch.Tensor) and first.requires_grad:
+            first.register_hook(backward_hook)
+
+    handles = []
+    for blocks in (m for m in model.modules() if isinstance(m, torch.nn.ModuleList)):
+        for block in blocks:
+            handles.append(block.register_forward_pre_hook(before))
+            handles.append(block.register_forward_hook(after))
+    return handles

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from common.config import Config
-from common.cores import core_borrower
+from common.cores import adjust_within, core_borrower
 from common.grpo.advantages import group_advantages
 from common.grpo.logprobs import gather_tokens, scaled_log_softmax
 from common.hardware import describe_device, resolve_bf16
@@ -76,11 +76,13 @@ class Trainer:
         # False forces the separate scoring pass (the tests compare the two).
         self.fuse_proximal = lc.old_logprobs == "proximal" and lc.updates_per_batch == 1
         self.bf16 = resolve_bf16(lc.autocast, self.device.type)
-        # learner.borrow_idle_cores: a thread more per core the actors left idle, chosen before each forward (one
-        # process only: torchrun's ranks each have their own cores).
+        # learner.borrow_idle_cores: a thread more per core the actors left idle, chosen before each block of the
+        # model, forward and backward (one process only: torchrun's ranks each have their own cores).
         self.cores = core_borrower(
             lc.borrow_idle_cores and self.device.type == "cpu" and ranks is None, lc.torch_threads
         )
+        if self.cores is not None:
+            adjust_within(model, self.cores.adjust)
         if lc.autocast == "auto":
             log.info("learner.autocast auto: %s on %s", "bfloat16" if self.bf16 else "off (float32 compute)",
                      describe_device(self.device.type))  # fmt: skip
@@ -305,8 +307,6 @@ class Trainer:
         # A rank's slice may be empty (a micro-batch of fewer rows than ranks): it still runs the forward FSDP needs.
         width = int(batch.row_lengths[rows].max()) if len(rows) else batch.input_ids.shape[1]
         ids = batch.input_ids[rows, :width]
-        if self.cores is not None:
-            self.cores.adjust()
         with self.autocast():
             logits = model(input_ids=ids, attention_mask=batch.attention_mask[rows, :width]).logits
         logp_all = scaled_log_softmax(logits[:, :-1], self.cfg.sampling.temperature)

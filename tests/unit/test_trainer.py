@@ -298,20 +298,25 @@ def test_bfloat16_parameters_lose_small_updates_that_autocast_keeps(policy) -> N
     assert changed(torch.float32, "learner.autocast=bfloat16") > 0.5
 
 
-def test_borrowing_idle_cores_chooses_threads_before_every_forward(policy) -> None:  # type: ignore[no-untyped-def]
-    """learner.borrow_idle_cores: the borrower is asked before each forward and the step says how long it borrowed;
-    off (the default), torch's threads are left alone and the key is absent."""
+def test_borrowing_idle_cores_chooses_threads_in_every_block_and_changes_nothing(policy, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """learner.borrow_idle_cores: the borrower is asked before each block of the model, forward and backward, and the
+    step says how long it borrowed; the update is the one without it. Off (the default), torch's threads are left
+    alone and the key is absent."""
+    from common.cores import CoreBorrower
+
     tok, model = policy
     groups = groups_of(tok, model, [0] * 4)
-    assert trainer_for(model).cores is None
-    assert "time/borrowed_s" not in trainer_for(model).step(groups, version=0)
-    trainer = trainer_for(
-        model, "learner.borrow_idle_cores=true", "learner.grad_accum=2", "learner.updates_per_batch=1"
-    )
-    assert trainer.cores is not None
+    one = ("learner.grad_accum=2", "learner.updates_per_batch=1")
+    plain = trainer_for(model, *one)
+    assert plain.cores is None
+    without = plain.step(groups, version=0)
+    assert "time/borrowed_s" not in without
     asked: list[int] = []
-    trainer.cores.adjust = lambda: asked.append(1) or 1  # type: ignore[method-assign]
+    monkeypatch.setattr(CoreBorrower, "adjust", lambda self: asked.append(1) or 1)
+    trainer = trainer_for(model, "learner.borrow_idle_cores=true", *one)
     threads = torch.get_num_threads()
     stats = trainer.step(groups, version=0)
-    assert len(asked) == 2  # each micro-batch's forward (one update: the proximal log-probs come from it)
+    layers = model.config.num_hidden_layers
+    assert len(asked) == 2 * (layers + layers)  # two micro-batches, each block's forward and backward
     assert stats["time/borrowed_s"] == 0.0 and torch.get_num_threads() == threads
+    assert stats["loss"] == without["loss"] and stats["grad_norm"] == without["grad_norm"]
