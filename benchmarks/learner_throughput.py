@@ -148,6 +148,8 @@ def main() -> int:
         "parameters": n_params,
         "micro_batch_tokens": cfg.learner.micro_batch_tokens,
         "grad_accum": cfg.learner.grad_accum,
+        "pack_sequences": cfg.learner.pack_sequences,
+        "attention": getattr(trainer.model.config, "_attn_implementation", None),
         "completion_lengths": [args.completion_min or args.completion_len, args.completion_len],
         "tokens_per_step": tokens_per_step,
         "padding_frac": round(statistics.mean(padding), 4),

@@ -38,6 +38,7 @@ from common.schemas import FilteredStats, GroupMessage
 from learner.batch import Batch, assemble, micro_batches, sampled_reward_stats
 from learner.distributed import Ranks
 from learner.loss import grpo_loss, importance_weights, micro_batch_weight
+from learner.packing import bins, pack, unpack
 from learner.schedule import lr_factor
 from learner.tally import PolicyStats, UpdateTally
 
@@ -214,8 +215,14 @@ class Trainer:
             for g in groups:
                 mine = self._mine(g)
                 if len(mine):
-                    tally.forwarded(len(mine) * int(lengths[mine].max()), int(lengths[mine].sum()))
+                    tally.forwarded(self._positions(lengths[mine]), int(lengths[mine].sum()))
         return groups
+
+    def _positions(self, lengths: torch.Tensor) -> int:
+        """The positions one forward computes for rows of these lengths: rows x the longest, or packed rows."""
+        if self.cfg.learner.pack_sequences:
+            return len(bins(lengths.tolist(), int(lengths.max()))) * int(lengths.max())
+        return len(lengths) * int(lengths.max())
 
     def _micro_batch(
         self,
@@ -308,7 +315,13 @@ class Trainer:
         width = int(batch.row_lengths[rows].max()) if len(rows) else batch.input_ids.shape[1]
         ids = batch.input_ids[rows, :width]
         with self.autocast():
-            logits = model(input_ids=ids, attention_mask=batch.attention_mask[rows, :width]).logits
+            if self.cfg.learner.pack_sequences and len(rows):
+                packed = pack(ids, batch.row_lengths[rows], self.pad_id)
+                # No attention mask and no cache: transformers then reads the sequences' bounds off position_ids.
+                out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+                logits = unpack(out.logits, packed)
+            else:
+                logits = model(input_ids=ids, attention_mask=batch.attention_mask[rows, :width]).logits
         logp_all = scaled_log_softmax(logits[:, :-1], self.cfg.sampling.temperature)
         logprobs = gather_tokens(logp_all, ids[:, 1:])
         return logp_all, torch.nn.functional.pad(logprobs, (0, batch.input_ids.shape[1] - width))

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The prepared GPU check of learner.micro_batch_tokens (a few minutes): the learner's real step on a randomly
 # initialised ~0.5B Llama in bf16, with long uneven completions (256-token prompts, 512-2,048-token answers), its
-# mini-batches split by rows (learner.grad_accum) and by a token budget; one JSON line per setting with tokens/s
-# (real tokens, padding not counted), MFU and the padding share (padding_frac).
+# mini-batches split by rows (learner.grad_accum) and by a token budget, unpacked and packed (learner.pack_sequences:
+# the model's attention implementation, sdpa unless flash-attn is installed, takes the sequences' bounds); one JSON
+# line per setting with tokens/s (real tokens, padding not counted), MFU and the padding share (padding_frac).
 #   ./scripts/gpu_micro_batches.sh            # PYTHON=/path/to/python to choose the interpreter
 # Needs torch with CUDA, transformers, numpy, safetensors, msgpack, pydantic and pyyaml importable (no network).
 set -euo pipefail
@@ -17,3 +18,7 @@ common=(--preset 0.5b --dtype bfloat16 --steps 3 --groups 8 --group-size 8 --pro
 for budget in 18432 9216; do
   "$PYTHON" benchmarks/learner_throughput.py "${common[@]}" --grad-accum 1 -o "learner.micro_batch_tokens=$budget"
 done
+# Packed: the rows split and the larger budget again, each forward's rows laid end to end.
+"$PYTHON" benchmarks/learner_throughput.py "${common[@]}" --grad-accum 4 -o learner.pack_sequences=true
+"$PYTHON" benchmarks/learner_throughput.py "${common[@]}" --grad-accum 1 -o learner.micro_batch_tokens=18432 \
+  -o learner.pack_sequences=true

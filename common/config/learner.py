@@ -36,6 +36,15 @@ class LearnerConfig(Section):
         "dapo, grpo and dr_grpo; bnpo's token mean is per micro-batch by definition, so its gradient changes with "
         "the split. 0 = grad_accum's splits",
     )
+    pack_sequences: bool = Field(
+        False,
+        description="each forward's rows laid end to end in as few rows of its longest row's length as fit, each "
+        "sequence with its own positions and attending only to itself (transformers' block-diagonal mask, or a "
+        "flash-attention kernel's sequence bounds): the linear layers skip most padding when lengths are uneven "
+        "(padding_frac counts the packed rows), the attention costs no more than unpacked; the loss and gradient "
+        "are the unpacked ones up to float rounding. Pays with long, uneven answers (GPUs: flash_attention_2); "
+        "buys little with short ones",
+    )
     lr: float = Field(7e-5, gt=0, description="AdamW peak learning rate")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="after warm-up: constant, or a linear or cosine decay towards 0 at the end of the run"

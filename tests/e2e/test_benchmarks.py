@@ -68,6 +68,9 @@ def test_learner_throughput_with_uneven_answers_reports_the_padding_of_each_spli
     assert one["completion_lengths"] == [4, 64] and one["tokens_per_step"] < 2 * 8 * (8 + 64)  # real tokens only
     assert (one["micro_batch_tokens"], by_tokens["micro_batch_tokens"]) == (0, 144)
     assert 0 < by_tokens["padding_frac"] < one["padding_frac"]  # rows of like length share a forward
+    packed, _ = run_script(*common, "--grad-accum", "1", "-o", "learner.pack_sequences=true")
+    assert packed["pack_sequences"] and packed["attention"] == "sdpa"
+    assert packed["padding_frac"] < one["padding_frac"]  # short rows share a packed row
 
 
 def check_trials(case: dict[str, Any], ours: str, theirs: str, trials: int) -> None:

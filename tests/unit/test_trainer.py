@@ -320,3 +320,37 @@ def test_borrowing_idle_cores_chooses_threads_in_every_block_and_changes_nothing
     assert len(asked) == 2 * (layers + layers)  # two micro-batches, each block's forward and backward
     assert stats["time/borrowed_s"] == 0.0 and torch.get_num_threads() == threads
     assert stats["loss"] == without["loss"] and stats["grad_norm"] == without["grad_norm"]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("split", [(), ("learner.micro_batch_tokens=40",), ("learner.grad_accum=2",)])
+def test_packed_rows_give_the_unpacked_gradient(policy, loss_type: str, split: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
+    """learner.pack_sequences: every sequence keeps its positions and sees only itself, so the gradient is the one of
+    right-padded rows, whatever splits the mini-batch."""
+    tok, model = policy
+    groups = uneven(groups_of(tok, model, [0] * 4))
+    base = ["learner.updates_per_batch=1", f"learner.loss_type={loss_type}", "learner.max_staleness=2", *split]
+    rows = captured_gradients(trainer_for(model, *base), groups)
+    packed = captured_gradients(trainer_for(model, *base, "learner.pack_sequences=true"), groups)
+    assert any(g.abs().sum() > 0 for g in rows)
+    for a, b in zip(rows, packed, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_packed_rows_score_as_unpacked_and_pad_less(policy) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    tok, model = policy
+    groups = uneven(groups_of(tok, model, [0] * 4))
+    groups[0] = replace(groups[0], prompt_ids=np.tile(groups[0].prompt_ids, 4))  # one long prompt: room to pack
+    base = ("learner.updates_per_batch=2",)  # a separate scoring pass: its log-probs are packed too
+    plain, packed = trainer_for(model, *base), trainer_for(model, *base, "learner.pack_sequences=true")
+    batch = assemble(groups, 0, 0)
+    every = torch.arange(len(batch.rewards))
+    a = plain._forward(plain.model, batch, every)[1]
+    b = packed._forward(packed.model, batch, every)[1]
+    real = batch.loss_mask > 0
+    assert torch.allclose(a[real], b[real], atol=1e-5)
+    stats_plain, stats_packed = plain.step(groups, version=0), packed.step(groups, version=0)
+    assert 0 <= stats_packed["padding_frac"] < stats_plain["padding_frac"] < 1
+    assert stats_packed["loss"] == pytest.approx(stats_plain["loss"], abs=1e-5)
