@@ -36,14 +36,33 @@ def threads_for(base: int, cores: int, others_busy: float) -> int:
 def busy_seconds(cpus: set[int], stat: Path = Path("/proc/stat")) -> float:
     """CPU seconds the cores ``cpus`` spent busy (all but idle and iowait) since boot, from the per-core lines."""
     tick = os.sysconf("SC_CLK_TCK")
-    busy = 0
+    busy, seen = 0, 0
     for line in stat.read_text().splitlines():
         name, *fields = line.split()
         if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
             continue
         ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
         busy += sum(ticks) - ticks[3] - ticks[4]
+        seen += 1
+    if not seen:  # a /proc/stat numbered apart from the affinity (a virtualised one): every core would look idle
+        raise ValueError(f"no line of {stat} names the cores this process may run on ({sorted(cpus)[:8]})")
     return busy / tick
+
+
+def quota_cores(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The cores' worth of CPU time the process's cgroup may use (a container's --cpus, a pod's limit); None
+    without a quota. cgroup v2's cpu.max, or v1's cfs_quota_us over cfs_period_us."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    return max(1, -(-int(quota) // int(period)))
 
 
 class CoreBorrower:
@@ -59,12 +78,13 @@ class CoreBorrower:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         cpus = os.sched_getaffinity(0)
-        self.base, self.cores = base, len(cpus)
+        self.base, self.cores = base, min(len(cpus), quota_cores() or len(cpus))
         self.set_threads, self.own, self.clock = set_threads, own, clock
         self.busy = busy or (lambda: busy_seconds(cpus))
         self.threads = base
         self.borrowed_s = 0.0  # seconds run with more threads than base: how much borrowing happened
-        self._since = self._sample()
+        self.off = False  # set when the machine's figures stop being readable mid-run
+        self._since = self._sample()  # raises where they cannot be read at all: no borrower then
 
     def _sample(self) -> tuple[float, float, float]:
         return self.clock(), self.busy(), self.own()
@@ -73,9 +93,16 @@ class CoreBorrower:
         """Choose the threads for the next piece of work from the interval since the last call that chose; cheap
         (a clock read) when called again within ``MIN_INTERVAL_S``, so it may be called at every decode step."""
         wall = self.clock() - self._since[0]
-        if wall < MIN_INTERVAL_S:
+        if self.off or wall < MIN_INTERVAL_S:
             return self.threads
-        now = self._sample()
+        try:
+            now = self._sample()
+        except (OSError, ValueError) as e:  # called from inside a forward or backward: never raise there
+            log.warning("borrowing idle cores stops: %s; back to %d torch threads", e, self.base)
+            self.off = True
+            self.set_threads(self.base)
+            self.threads = self.base
+            return self.threads
         wall = now[0] - self._since[0]
         others = max(0.0, (now[1] - self._since[1]) - (now[2] - self._since[2])) / wall
         if self.threads > self.base:

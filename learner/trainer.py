@@ -105,6 +105,10 @@ class Trainer:
     ) -> dict[str, float]:
         """Train on one batch of groups (``filtered``: what actors filtered out since the previous batch, for the
         reward figures); returns the step's statistics (metrics.jsonl keys)."""
+        if self.cores is not None:
+            # Threads for the step's first forward (the reference model's, which has no hooks), and the borrowed
+            # time before this step left out of its figure.
+            self.cores.adjust()
         borrowed = self.cores.borrowed_s if self.cores is not None else 0.0
         batch = assemble(groups, self.pad_id, version).to(self.device)
         mask = batch.loss_mask
@@ -316,15 +320,25 @@ class Trainer:
         ids = batch.input_ids[rows, :width]
         with self.autocast():
             if self.cfg.learner.pack_sequences and len(rows):
-                packed = pack(ids, batch.row_lengths[rows], self.pad_id)
-                # No attention mask and no cache: transformers then reads the sequences' bounds off position_ids.
-                out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
-                logits = unpack(out.logits, packed)
+                logits = self._packed_logits(model, ids, batch.row_lengths[rows])
             else:
                 logits = model(input_ids=ids, attention_mask=batch.attention_mask[rows, :width]).logits
         logp_all = scaled_log_softmax(logits[:, :-1], self.cfg.sampling.temperature)
         logprobs = gather_tokens(logp_all, ids[:, 1:])
         return logp_all, torch.nn.functional.pad(logprobs, (0, batch.input_ids.shape[1] - width))
+
+    def _packed_logits(self, model: Any, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The logits of the rows ``ids`` from one forward of them packed (learner.packing), in the rows' layout.
+        No attention mask and no cache: transformers then reads the sequences' bounds off ``position_ids``. sdpa
+        and eager take packed rows as they are (a block-diagonal mask per row); transformers' flash-attention path
+        finds packed sequences only in a batch of one row, so for it the packed rows go end to end in one."""
+        packed = pack(ids, lengths, self.pad_id)
+        p_ids, p_pos = packed.input_ids, packed.position_ids
+        flash = "flash" in str(getattr(model.config, "_attn_implementation", ""))
+        if flash:
+            p_ids, p_pos = p_ids.reshape(1, -1), p_pos.reshape(1, -1)
+        logits = model(input_ids=p_ids, position_ids=p_pos, use_cache=False).logits
+        return unpack(logits.view(*packed.input_ids.shape, -1) if flash else logits, packed)
 
     def _mine(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a micro-batch's rows (all of them in one process)."""

@@ -2,7 +2,7 @@
 # The prepared GPU check of learner.micro_batch_tokens (a few minutes): the learner's real step on a randomly
 # initialised ~0.5B Llama in bf16, with long uneven completions (256-token prompts, 512-2,048-token answers), its
 # mini-batches split by rows (learner.grad_accum) and by a token budget, unpacked and packed (learner.pack_sequences:
-# the model's attention implementation, sdpa unless flash-attn is installed, takes the sequences' bounds); one JSON
+# sdpa, transformers' default, with a block-diagonal mask per packed row); one JSON
 # line per setting with tokens/s (real tokens, padding not counted), MFU and the padding share (padding_frac).
 #   ./scripts/gpu_micro_batches.sh            # PYTHON=/path/to/python to choose the interpreter
 # Needs torch with CUDA, transformers, numpy, safetensors, msgpack, pydantic and pyyaml importable (no network).

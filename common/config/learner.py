@@ -42,8 +42,8 @@ class LearnerConfig(Section):
         "sequence with its own positions and attending only to itself (transformers' block-diagonal mask, or a "
         "flash-attention kernel's sequence bounds): the linear layers skip most padding when lengths are uneven "
         "(padding_frac counts the packed rows), the attention costs no more than unpacked; the loss and gradient "
-        "are the unpacked ones up to float rounding. Pays with long, uneven answers (GPUs: flash_attention_2); "
-        "buys little with short ones",
+        "are the unpacked ones up to float rounding; the logits are copied back to the rows' layout (a second copy "
+        "for a moment). Pays with long, uneven answers; buys little with short ones",
     )
     lr: float = Field(7e-5, gt=0, description="AdamW peak learning rate")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(

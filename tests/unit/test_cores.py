@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common.cores import CoreBorrower, busy_seconds, threads_for
+from common.cores import CoreBorrower, busy_seconds, quota_cores, threads_for
 
 
 @pytest.mark.parametrize(
@@ -88,6 +88,44 @@ def test_the_real_machine_is_readable() -> None:
         pytest.skip("no /proc/stat: the borrower is off on this system")
     chosen: list[int] = []
     b = CoreBorrower(1, chosen.append)
-    assert b.cores == len(os.sched_getaffinity(0))
+    assert 1 <= b.cores <= len(os.sched_getaffinity(0))  # a cgroup quota may cap it
     assert busy_seconds(os.sched_getaffinity(0)) > 0
     assert 1 <= b.adjust() <= b.cores
+
+
+def test_a_proc_stat_that_names_none_of_the_cores_is_refused(tmp_path: Path) -> None:
+    """A virtualised /proc/stat numbers its lines apart from the affinity: every core would look idle forever."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 0 1 1 0 0 0 0\ncpu0 1 0 1 1 0 0 0 0\n")
+    with pytest.raises(ValueError, match="names the cores"):
+        busy_seconds({4, 5}, stat)
+
+
+def test_quota_cores_reads_cgroup_v2_and_v1(tmp_path: Path) -> None:
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert quota_cores(tmp_path) == 2  # 1.5 cores' worth: a second thread has somewhere to run part of the time
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert quota_cores(tmp_path) is None
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert quota_cores(tmp_path) == 1
+    assert quota_cores(tmp_path / "absent") is None
+
+
+def test_a_reading_that_fails_mid_run_turns_borrowing_off_without_raising() -> None:
+    """adjust() runs inside forwards and backwards: a failure there goes back to the role's threads, for good."""
+    clocks, chosen = Clocks(), []
+    b = borrower(clocks, chosen)
+    clocks.run(5, own_cores=1, others=0)
+    assert b.adjust() == 2
+
+    def gone() -> float:
+        raise OSError("no /proc")
+
+    b.busy = gone
+    clocks.run(5, own_cores=2, others=0)
+    assert b.adjust() == 1 and chosen == [2, 1] and b.off
+    clocks.run(5, own_cores=1, others=0)
+    assert b.adjust() == 1 and chosen == [2, 1]

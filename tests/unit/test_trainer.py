@@ -317,7 +317,7 @@ def test_borrowing_idle_cores_chooses_threads_in_every_block_and_changes_nothing
     threads = torch.get_num_threads()
     stats = trainer.step(groups, version=0)
     layers = model.config.num_hidden_layers
-    assert len(asked) == 2 * (layers + layers)  # two micro-batches, each block's forward and backward
+    assert len(asked) == 1 + 2 * (layers + layers)  # the step's start, then each block's forward and backward
     assert stats["time/borrowed_s"] == 0.0 and torch.get_num_threads() == threads
     assert stats["loss"] == without["loss"] and stats["grad_norm"] == without["grad_norm"]
 
@@ -354,3 +354,29 @@ def test_packed_rows_score_as_unpacked_and_pad_less(policy) -> None:  # type: ig
     stats_plain, stats_packed = plain.step(groups, version=0), packed.step(groups, version=0)
     assert 0 <= stats_packed["padding_frac"] < stats_plain["padding_frac"] < 1
     assert stats_packed["loss"] == pytest.approx(stats_plain["loss"], abs=1e-5)
+
+
+def test_packed_rows_go_end_to_end_in_one_row_for_flash_attention(policy) -> None:  # type: ignore[no-untyped-def]
+    """transformers' flash-attention path finds packed sequences only in a batch of one row: the trainer lays the
+    packed rows end to end there and takes the logits back to each row's own positions. A stand-in model whose
+    logits depend on each token and its position alone shows where every logit landed."""
+    from types import SimpleNamespace
+
+    _tok, model = policy
+    trainer = trainer_for(model, "learner.pack_sequences=true")
+    shapes: list[tuple[int, ...]] = []
+
+    class PerToken(torch.nn.Module):
+        config = SimpleNamespace(_attn_implementation="flash_attention_2")
+
+        def forward(self, input_ids, position_ids, use_cache):  # type: ignore[no-untyped-def]
+            shapes.append(tuple(input_ids.shape))
+            return SimpleNamespace(logits=torch.stack([input_ids, position_ids], dim=-1).float())
+
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [4, 0, 0, 0], [1, 2, 3, 4]])
+    lengths = torch.tensor([3, 2, 1, 4])
+    logits = trainer._packed_logits(PerToken(), ids, lengths)
+    assert len(shapes) == 1 and shapes[0][0] == 1  # one row
+    real = torch.arange(4) < lengths.unsqueeze(1)
+    assert torch.equal(logits[..., 0][real], ids[real].float())
+    assert torch.equal(logits[..., 1][real], torch.arange(4).expand(4, 4)[real].float())  # each row's own positions
