@@ -74,7 +74,9 @@ class ActorConfig(Section):
         False,
         description="local engine: at each decode step, take one more torch thread per core of this machine the "
         "run's other processes left idle (the learner waiting for a batch), and give it back as soon as they use it "
-        "again (Linux: reads /proc/stat); measured in docs/benchmarks.md (B2)",
+        "again (Linux: /proc/stat against the actor's CPU time). Buys: sampling on both cores when an actor-bound "
+        "run's learner waits (late in the SmolLM2 recipe, most groups all right); costs a clock read per decode "
+        "step (docs/benchmarks.md). Useless where the roles have cores of their own",
     )
     autocast: Literal["off", "bfloat16", "auto"] = Field(
         "off",

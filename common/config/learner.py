@@ -110,9 +110,13 @@ class LearnerConfig(Section):
     torch_threads: int = Field(1, ge=1, description="torch CPU threads of the learner")
     borrow_idle_cores: bool = Field(
         False,
-        description="before each forward and each evaluation batch, take one more torch thread per core of this "
-        "machine the run's other processes left idle since the last one (an actor waiting for room), and give it "
-        "back as soon as they use it again (Linux: reads /proc/stat); measured in docs/benchmarks.md (B2)",
+        description="before each block of the model (forward and backward) and each decode step of an evaluation, "
+        "take one more torch thread per core of this machine the run's other processes left idle since the last "
+        "choice (an actor waiting for room), and give it back as soon as they use it again (Linux: /proc/stat "
+        "against the learner's CPU time, capped by a cgroup quota). Buys: the SmolLM2 recipe's actor waits half "
+        "the time, and 6 steps of B2's headroom task took 0.88x as long, evaluations 0.6x (docs/benchmarks.md). "
+        "Costs: a clock read per block; a borrowed thread that meets a returning actor runs slow until the next "
+        "choice (at most 0.5 s later). Useless where the roles have cores of their own",
     )
     min_step_s: float = Field(
         0.0,
