@@ -42,10 +42,11 @@ class Packed:
     source: tuple[torch.Tensor, torch.Tensor]  # ...and its (row, column) in the original rows
     shape: tuple[int, int]  # the original rows' (rows, width)
 
-    @property
-    def positions(self) -> int:
-        """The forward's positions, real or padding (the padding share's denominator)."""
-        return self.input_ids.numel()
+
+def positions(lengths: list[int]) -> int:
+    """The positions, real or padding, of one forward of rows of these lengths packed (the padding share's
+    denominator): as many packed rows as :func:`bins` makes, each the longest row's length."""
+    return len(bins(lengths, max(lengths))) * max(lengths)
 
 
 def pack(ids: torch.Tensor, lengths: torch.Tensor, pad_id: int) -> Packed:

@@ -38,7 +38,8 @@ from common.schemas import FilteredStats, GroupMessage
 from learner.batch import Batch, assemble, micro_batches, sampled_reward_stats
 from learner.distributed import Ranks
 from learner.loss import grpo_loss, importance_weights, micro_batch_weight
-from learner.packing import bins, pack, unpack
+from learner.packing import pack, unpack
+from learner.packing import positions as packed_positions
 from learner.schedule import lr_factor
 from learner.tally import PolicyStats, UpdateTally
 
@@ -225,7 +226,7 @@ class Trainer:
     def _positions(self, lengths: torch.Tensor) -> int:
         """The positions one forward computes for rows of these lengths: rows x the longest, or packed rows."""
         if self.cfg.learner.pack_sequences:
-            return len(bins(lengths.tolist(), int(lengths.max()))) * int(lengths.max())
+            return packed_positions(lengths.tolist())
         return len(lengths) * int(lengths.max())
 
     def _micro_batch(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.packing import bins, pack, unpack
+from learner.packing import bins, pack, positions, unpack
 
 
 def test_bins_fill_first_fit_longest_first_within_capacity() -> None:
@@ -24,7 +24,7 @@ def test_pack_keeps_each_sequences_tokens_and_positions_and_unpack_inverts_it() 
     p = pack(ids, lengths, pad_id=-1)
     assert p.input_ids.tolist() == [[11, 12, 13, 14, 15], [1, 2, 3, 21, 22], [31, -1, -1, -1, -1]]
     assert p.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1], [0, 0, 1, 2, 3]]
-    assert p.positions == 15
+    assert positions(lengths.tolist()) == p.input_ids.numel() == 15
     back = unpack(p.input_ids.unsqueeze(-1).float(), p).squeeze(-1).long()
     real = torch.arange(5) < lengths.unsqueeze(1)
     assert torch.equal(back[real], ids[real])
