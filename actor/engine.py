@@ -24,8 +24,9 @@ from common.cores import core_borrower
 from common.hardware import describe_device, resolve_bf16
 from common.model.generation import Sample, generate, pad_token_id, stop_token_ids
 from common.model.loading import load_pretrained
+from common.model.lora import base_identity, base_mismatch, is_lora, load_adapter, read_base, wrap_as
 from common.schemas import WeightsAnnouncement
-from common.weights import WeightsError, load_into, load_state_dict
+from common.weights import WeightsError, WeightsMismatch, confined, load_into, load_state_dict
 from common.weights.nccl import Round, abort_group, close_group, open_group, unflatten, wait_for
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class LocalEngine:
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         self.pad_id = pad_token_id(self.tokenizer, self.stop_ids)
         self.version = 0
+        self.base_intact = True  # the weights are model.path's: a LoRA version may be applied over them
+        self._base: dict[str, str] | None = None  # model.path's identity, read at the first LoRA version
         self._group: tuple[str, Any] | None = None
         self.device = next(self.model.parameters()).device
         self.bf16 = resolve_bf16(cfg.actor.autocast, self.device.type)
@@ -68,11 +71,34 @@ class LocalEngine:
 
     def load(self, ann: WeightsAnnouncement) -> int:
         """All or nothing: a version that is unreadable, outside ``weights.dir`` or does not fit the model raises
-        WeightsError before a tensor of the model is touched, and the version stays the one it holds."""
+        WeightsError before a tensor of the model is touched, and the version stays the one it holds. A LoRA
+        version (``lora-safetensors``) is an adapter over the base this engine loaded from ``model.path``."""
         state, nbytes = load_state_dict(ann, root=self.cfg.weights.dir)
-        load_into(self.model, state)
+        if ann.format == "lora-safetensors":
+            self._apply_adapter(ann, state)
+        else:
+            if is_lora(self.model):  # whole weights after adapters: the adapter goes, the weights replace the base
+                self.model = self.model.unload()
+            load_into(self.model, state)
+            self.base_intact = False
         self.version = ann.version
         return nbytes
+
+    def _apply_adapter(self, ann: WeightsAnnouncement, state: dict[str, torch.Tensor]) -> None:
+        """The adapter ``state`` over the base: the first one wraps the model with peft's layers (shaped by the
+        version's ``adapter_config.json``), later ones are copied in. Refused, the model untouched, when the
+        adapter was trained on another base (``base.json``'s digest) or the weights here are no longer the base."""
+        directory = confined(ann.uri, self.cfg.weights.dir)
+        if not self.base_intact:
+            raise WeightsMismatch(f"weights v{ann.version} are a LoRA adapter, and this engine holds whole weights "
+                                  "of an earlier version instead of the base: restart the actor")  # fmt: skip
+        if self._base is None:
+            self._base = base_identity(self.cfg.model.path)
+        if problem := base_mismatch(self._base, read_base(directory)):
+            raise WeightsMismatch(f"weights v{ann.version}: a LoRA adapter whose {problem}")
+        if not is_lora(self.model):
+            self.model = wrap_as(self.model, directory).eval()
+        load_adapter(self.model, state)
 
     # weights.transport nccl: the same group and buckets a SGLang server takes (common/weights/nccl.py)
 
@@ -108,7 +134,10 @@ class LocalEngine:
                 self._group = None
                 raise WeightsError(f"a bucket of weights v{rnd.version} did not arrive: {e}") from None
             state |= unflatten(flat, b)
+        if is_lora(self.model):  # (learner.lora sends adapters by disk: whole weights replace the base)
+            self.model = self.model.unload()
         load_into(self.model, state)
+        self.base_intact = False
         self.version = rnd.version
         return sum(b.nbytes for b in rnd.buckets)
 

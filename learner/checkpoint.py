@@ -2,7 +2,10 @@
 
 ``<checkpoint.dir>/step-000123/`` holds
 
-- ``model.safetensors`` + ``config.json``: the policy (``save_pretrained``);
+- ``model.safetensors`` + ``config.json``: the policy (``save_pretrained``); with ``learner.lora`` the adapter alone
+  instead (``adapter_model.safetensors`` + ``adapter_config.json``, common.model.lora), and ``state.json`` names the
+  base model it was trained on (path and digest): a resume on another base is refused, as is one that would put an
+  adapter into a full-weight run or the other way round;
 - ``optimizer.safetensors``: every tensor of the optimizer state (AdamW's moments and step counts);
 - ``rng.safetensors``: torch's CPU (and CUDA) generator states and the trainer's shuffling generator;
 - ``state.json``: step, policy version, the run's identity and lineage (``run_id``, ``epochs``), the optimizer's
@@ -35,6 +38,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.config import ConfigError
+from common.model.lora import ADAPTER_WEIGHTS, base_mismatch, load_adapter, write_adapter
 from common.storage import fsync_dir, fsync_tree, writing
 from common.transport import LeaseLost
 from common.weights import load_into
@@ -92,6 +97,7 @@ def save(
     generator: torch.Generator,
     keep: int,
     ranks: Ranks | None = None,
+    base: dict[str, str] | None = None,
 ) -> Path | None:
     """Write a checkpoint (see the module's docstring); with ``ranks``, every rank calls it, the model and optimizer
     are gathered whole, and rank 0 writes the same files (the others return None)."""
@@ -107,7 +113,7 @@ def save(
         final = root / f"step-{resumable.step:06d}"
         tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         try:
-            _write_files(tmp, resumable, model, model_state, optim, scheduler, generator)
+            _write_files(tmp, resumable, model, model_state, optim, scheduler, generator, base)
             # Contents on disk before the name: the caller acknowledges (deletes) the covered groups right after.
             fsync_tree(tmp)
             if final.exists():  # the same step written again after a resume
@@ -159,8 +165,12 @@ def _write_files(
     optim: dict[str, Any],
     scheduler: Any,
     generator: torch.Generator,
+    base: dict[str, str] | None = None,
 ) -> None:
-    model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True, max_shard_size="50GB")
+    if base is not None:  # learner.lora: the adapter; the base is the model.path it names
+        write_adapter(model, tmp)
+    else:
+        model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True, max_shard_size="50GB")
     opt_tensors, opt_meta = _optimizer_parts(optim)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     rng = {"torch": torch.get_rng_state(), "trainer": generator.get_state()}
@@ -178,6 +188,7 @@ def _write_files(
         "lease_token": resumable.lease_token,
         "optimizer": opt_meta,
         "scheduler": scheduler.state_dict(),
+        **({"base": base} if base is not None else {}),
     }
     (tmp / "state.json").write_text(json.dumps(state))
 
@@ -228,13 +239,18 @@ def damage(path: Path) -> str | None:
         return f"state.json: {e}"
     if not isinstance(state, dict) or (missing := [k for k in _STATE_KEYS if k not in state]):
         return f"state.json: missing {missing if isinstance(state, dict) else 'everything'}"
-    models = sorted(path.glob("model*.safetensors"))
+    models = _model_files(path)
     if not models:
-        return "no model*.safetensors"
+        return f"no model*.safetensors or {ADAPTER_WEIGHTS}"
     for f in [*models, path / "optimizer.safetensors", path / "rng.safetensors"]:
         if problem := _safetensors_damage(f):
             return f"{f.name}: {problem}"
     return None
+
+
+def _model_files(path: Path) -> list[Path]:
+    """The policy's files of a checkpoint: the whole model's, or the adapter's (learner.lora)."""
+    return sorted(path.glob("model*.safetensors")) or sorted(path.glob(ADAPTER_WEIGHTS))
 
 
 def _safetensors_damage(f: Path) -> str | None:
@@ -262,16 +278,23 @@ def load(
     scheduler: Any,
     generator: torch.Generator,
     ranks: Ranks | None = None,
+    base: dict[str, str] | None = None,
 ) -> Resumable:
     """Restore a checkpoint into objects built from the same config; returns the rest. With ``ranks``, every rank
-    reads the whole files and keeps its shards: a checkpoint resumes on any number of ranks."""
+    reads the whole files and keeps its shards: a checkpoint resumes on any number of ranks. ``base``: the base
+    model's identity when the policy is a LoRA adapter (common.model.lora), None for whole weights; a checkpoint
+    of the other kind, or of an adapter on another base, is a ConfigError before anything is loaded."""
     path = Path(path)
     state = json.loads((path / "state.json").read_text())
+    _same_kind(path, state, base)
     model_state: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("model*.safetensors")):
+    for f in _model_files(path):
         model_state.update(load_file(str(f)))
     optim = _optimizer_state(load_file(str(path / "optimizer.safetensors")), state["optimizer"])
-    if ranks is None:
+    if base is not None:
+        load_adapter(model, model_state)
+        optimizer.load_state_dict(optim)
+    elif ranks is None:
         load_into(model, model_state)
         optimizer.load_state_dict(optim)
     else:
@@ -289,6 +312,18 @@ def load(
         state.get("run_id", ""), state.get("epochs", []),  # absent in an earlier build's checkpoint
         int(state.get("lease_token", 0)),
     )  # fmt: skip
+
+
+def _same_kind(path: Path, state: dict[str, Any], base: dict[str, str] | None) -> None:
+    """A resume must put back what this learner trains: an adapter on the same base, or whole weights."""
+    adapter = (path / ADAPTER_WEIGHTS).is_file()
+    if adapter != (base is not None):
+        held, trains = ("a LoRA adapter", "whole weights") if adapter else ("whole weights", "a LoRA adapter")
+        raise ConfigError(f"config error: learner.lora.rank: checkpoint {path} holds {held}, this learner trains "
+                          f"{trains}; set learner.lora as the run began, or give it another run.name")  # fmt: skip
+    if base is not None and (problem := base_mismatch(base, state.get("base") or {})):
+        raise ConfigError(f"config error: model.path: checkpoint {path} holds an adapter whose {problem}; resume "
+                          "with the base it was trained on")  # fmt: skip
 
 
 def cuda_rng_states(rng: dict[str, torch.Tensor]) -> list[torch.Tensor]:

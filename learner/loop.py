@@ -27,6 +27,7 @@ from common.metrics import LearnerMetrics, MetricsServer, process_registry, regi
 from common.model.generation import pad_token_id, stop_token_ids
 from common.model.importing import prepare_model_path
 from common.model.loading import load_pretrained
+from common.model.lora import peft_config, wrap
 from common.tasks.evaluation import correctness
 from common.transport import LearnerTransport
 from grader.pool import GraderPool, open_grader
@@ -208,7 +209,9 @@ class Learner:
         cc, t = self.cfg.checkpoint, self.trainer
         self.still_holding()
         state = replace(p.resumable(), lease_token=self.lease_token)
-        checkpoint.save(cc.dir, state, self.model, t.optimizer, t.scheduler, t.generator, cc.keep, self.ranks)
+        checkpoint.save(
+            cc.dir, state, self.model, t.optimizer, t.scheduler, t.generator, cc.keep, self.ranks, self.publisher.base
+        )
         if self.is_rank0:
             self.transport.ack_trained(p.window_ids, p.window_groups, p.step, cc.dedup_window)
         p.window_ids, p.window_groups = [], []
@@ -229,7 +232,7 @@ class Learner:
         if path is None:
             return False
         t = self.trainer
-        r = checkpoint.load(path, self.model, t.optimizer, t.scheduler, t.generator, self.ranks)
+        r = checkpoint.load(path, self.model, t.optimizer, t.scheduler, t.generator, self.ranks, self.publisher.base)
         self.progress.restore(r)
         self.metrics.checkpoint_step.set(r.step)
         if not self.is_rank0:
@@ -249,12 +252,18 @@ class Learner:
 
 
 def load_models(cfg: Config, device: str | None = None) -> tuple[Any, Any, Any]:
-    """Tokenizer, policy, and the frozen reference policy — loaded only when beta > 0, else None."""
+    """Tokenizer, policy, and the frozen reference policy — loaded only when beta > 0, else None. With
+    ``learner.lora`` the policy is the base with a fresh adapter, and there is no second copy: the reference is the
+    policy with its adapter switched off (learner.trainer)."""
     device = device or cfg.model.device
     tokenizer, model = load_pretrained(cfg.model.path, cfg.model.dtype, device)
-    disable_dropout(model)
+    disable_dropout(model)  # the base's own dropout; the adapter's (lora.dropout) is added after, as configured
+    lc = cfg.learner
+    if lc.lora.rank:
+        config = peft_config(lc.lora.rank, lc.lora.alpha, lc.lora.dropout, lc.lora.target_modules)
+        return tokenizer, wrap(model, config), None
     reference = None
-    if cfg.learner.beta > 0:
+    if lc.beta > 0:
         reference = load_pretrained(cfg.model.path, cfg.model.dtype, device)[1].requires_grad_(False)
     return tokenizer, model, reference
 
@@ -268,6 +277,11 @@ def run_learner(cfg: Config) -> int:
     try:
         if ranks is not None:
             lc = cfg.learner
+            if lc.lora.rank:  # FSDP2 sharding of a peft model, and gathering its adapter alone, are not built
+                raise ConfigError(
+                    f"config error: learner.lora.rank: LoRA trains in one learner process, not under torchrun "
+                    f"({ranks.world} ranks); set learner.lora.rank to 0 or start one process"
+                )
             smallest = lc.batch_groups * cfg.sampling.group_size // (lc.updates_per_batch * lc.grad_accum)
             if smallest < ranks.world:  # every rank needs rows of every micro-batch (one forward each)
                 raise ConfigError(
@@ -348,7 +362,7 @@ def _hold(
         lc.lr,
         lc.batch_groups,
         cfg.sampling.group_size,
-        f"KL penalty beta={lc.beta}" if lc.beta > 0 else "KL penalty off (beta = 0): no reference model is loaded",
+        _kl_line(cfg),
         f"; FSDP2 over {ranks.world} ranks" if ranks is not None else "",
     )
 
@@ -375,6 +389,15 @@ def _hold(
             learner.close()
         grader.close()
         server.close()
+
+
+def _kl_line(cfg: Config) -> str:
+    lc = cfg.learner
+    lora = (f"LoRA rank {lc.lora.rank}, alpha {lc.lora.alpha:g} on {lc.lora.target_modules}; " if lc.lora.rank
+            else "")  # fmt: skip
+    if lc.beta <= 0:
+        return lora + "KL penalty off (beta = 0): no reference model is loaded"
+    return lora + f"KL penalty beta={lc.beta}" + (" (the reference: the adapter switched off)" if lc.lora.rank else "")
 
 
 def _unmake_run_dir(run_dir: Path, files: list[Path]) -> None:

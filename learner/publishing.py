@@ -18,6 +18,7 @@ import torch
 
 from common.config import Config
 from common.metrics import LearnerMetrics
+from common.model.lora import base_identity, is_lora
 from common.schemas import SchemaError, WeightsAnnouncement
 from common.storage import writing
 from common.transport import LearnerTransport
@@ -68,6 +69,10 @@ class Publisher:
         self._announced = -1  # the newest version this learner announced
         self._last_announcement: WeightsAnnouncement | None = None  # announced again if Redis loses it
         self._epoch = 0  # the lineage's epoch of the version being published, which its announcement carries
+        # learner.lora: the base model's identity, written beside each version (an adapter alone) for the actors to
+        # check against the base they hold (common.model.lora); None: versions are whole weights.
+        self.base = base_identity(cfg.model.path) if is_lora(model) else None
+        self._said_lora = False
 
     def continue_versions(self, p: Progress) -> None:
         """A learner that crashed may have published weights of steps that no checkpoint has (or before its first
@@ -96,7 +101,13 @@ class Publisher:
         t0 = time.perf_counter()
         self._epoch = epoch
         counts: dict[str, float] = {}
-        if self.cfg.weights.transport == "nccl":
+        if self.cfg.weights.transport == "nccl" and self.base is not None and not self._said_lora:
+            # SGLang's update group carries a model's own weights, not an adapter; an adapter is small enough that
+            # the disk costs little.
+            log.info("learner.lora: versions are adapters, written to weights.dir and loaded from there (the NCCL "
+                     "update group carries whole weights only)")  # fmt: skip
+            self._said_lora = True
+        if self.cfg.weights.transport == "nccl" and self.base is None:
             b = self._broadcaster()
             counts = {"weights/nccl_rounds": float(b.rounds_ok), "weights/nccl_fallbacks": float(b.fallbacks)}
             if not self._to_disk_now(version, last):
@@ -146,6 +157,7 @@ class Publisher:
                     protect=[self._announced],
                     token=self.transport.lease_token(),
                     superseded=superseded_versions(self.cfg.checkpoint.dir),
+                    base=self.base,
                 )
             self._announce(pub.announcement)
             self._announced = version

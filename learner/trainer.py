@@ -34,6 +34,7 @@ from common.cores import adjust_within, core_borrower
 from common.grpo.advantages import group_advantages
 from common.grpo.logprobs import gather_tokens, scaled_log_softmax
 from common.hardware import describe_device, resolve_bf16
+from common.model.lora import is_lora
 from common.schemas import FilteredStats, GroupMessage
 from learner.batch import Batch, assemble, micro_batches, sampled_reward_stats
 from learner.distributed import Ranks
@@ -68,7 +69,11 @@ class Trainer:
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
         lc = cfg.learner
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
+        # What requires grad: every weight, or with learner.lora the adapter's alone (the optimizer's state is then
+        # the adapter's size, and the base never moves).
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
+        self.lora = is_lora(model)
         total = cfg.run.steps * lc.updates_per_batch
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup=lc.warmup_steps, total=total, schedule=lc.lr_schedule)
@@ -118,7 +123,7 @@ class Trainer:
             mask = mask * (~batch.truncated).to(mask.dtype).unsqueeze(1)
         adv, shaping = self.advantages(batch)
         old, is_weights, shown = (None, None, {}) if self.fuse_proximal else self.old_logprobs(batch, mask)
-        ref = self._scored(self.reference, batch, mask)[0] if self.reference is not None else None
+        ref = self.reference_logprobs(batch, mask)
         stats, first = self.update(UpdateInputs(batch, mask, adv, old, is_weights, ref))
         stats |= shown or first  # behavior mode: what the policy looked like, from the first mini-batch
         stats |= sampled_reward_stats(groups, filtered) | shaping
@@ -144,6 +149,14 @@ class Trainer:
             rewards = rewards[torch.randperm(len(rewards), generator=self.generator).to(rewards.device)]
         a = self.cfg.learner.advantage
         return group_advantages(rewards, batch.group_size, scale=a.scale, ddof=a.ddof, eps=a.eps).float(), shaping
+
+    def reference_logprobs(self, batch: Batch, mask: torch.Tensor) -> torch.Tensor | None:
+        """The KL penalty's reference log-probs (beta > 0): the frozen starting policy, or with learner.lora the
+        policy with its adapter switched off, which is that very policy (the base never trains) at no memory."""
+        if self.lora and self.cfg.learner.beta > 0:
+            with self.model.disable_adapter():
+                return self._scored(self.model, batch, mask)[0]
+        return self._scored(self.reference, batch, mask)[0] if self.reference is not None else None
 
     def old_logprobs(
         self, batch: Batch, mask: torch.Tensor
@@ -197,7 +210,8 @@ class Trainer:
             # of the same one.
             watch = first if first is not None and not first.slices and float(inputs.mask[micro].sum()) > 0 else None
             update_loss += self._micro_batch(inputs, rows, micro, step_tokens, tally, fused, watch)
-        grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip))
+        params = self.optimizer.param_groups[0]["params"]
+        grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(params, self.cfg.learner.grad_clip))
         if not torch.isfinite(grad_norm):
             # One NaN/inf would poison every weight from here on: skip the update, and say so in the metrics.
             tally.skipped += 1

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from common.config.actor import SGLANG_CPU_ARGS, ActorConfig, SGLangConfig
 from common.config.checks import check_device, check_engine, check_model_path
-from common.config.learner import AdvantageConfig, CheckpointConfig, LearnerConfig
+from common.config.learner import AdvantageConfig, CheckpointConfig, LearnerConfig, LoraConfig
 from common.config.loading import (
     ENV_KEYS,
     MOVED,
@@ -68,6 +68,7 @@ __all__ = [
     "GraderComponent",
     "GraderConfig",
     "LearnerConfig",
+    "LoraConfig",
     "MetricsConfig",
     "ModelConfig",
     "RedisConfig",

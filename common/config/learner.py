@@ -18,6 +18,34 @@ class AdvantageConfig(Section):
     eps: float = Field(1e-6, ge=0, description="added to the std before dividing (TRL uses 1e-4)")
 
 
+class LoraConfig(Section):
+    """LoRA adapters, with the conventions of the peft library (which does the work). Buys: the optimizer holds the
+    adapter's state only, and a published version is the adapter (kilobytes to megabytes instead of the model);
+    with beta > 0 the KL reference is the same model with the adapter switched off, no second copy. Costs: two
+    small matrix products per adapted layer in every forward, and a policy that moves only within the adapter's
+    rank (usually a larger lr than full fine-tuning's)."""
+
+    rank: int = Field(
+        0,
+        ge=0,
+        description="the adapter's rank r; 0 = off, every weight is trained and published (one learner process: "
+        "refused under torchrun)",
+    )
+    alpha: float = Field(32.0, gt=0, description="peft's lora_alpha: the update is scaled by alpha / rank")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="peft's lora_dropout, on the adapter's input in training forwards only: the scoring forward has "
+        "none, so with dropout the ratio does not start at 1 (keep 0 for RL, as the model's own dropout is off)",
+    )
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="the linear layers that get an adapter: peft's names (e.g. [q_proj, v_proj]) or all-linear "
+        "(every linear layer but the output head); a SGLang server is launched with the same list",
+    )
+
+
 class LearnerConfig(Section):
     batch_groups: int = Field(32, ge=1, description="groups per learner step")
     updates_per_batch: int = Field(
@@ -60,6 +88,7 @@ class LearnerConfig(Section):
     epsilon_high: float = Field(0.28, ge=0, description="clip ratio above at 1 + epsilon_high (DAPO clip-higher)")
     beta: float = Field(0.0, ge=0, description="KL penalty weight; 0 = no reference model")
     advantage: AdvantageConfig = AdvantageConfig()
+    lora: LoraConfig = LoraConfig()
     max_staleness: int = Field(2, ge=0, description="drop groups more than this many versions behind")
     old_logprobs: Literal["proximal", "behavior"] = Field(
         "proximal",

@@ -15,8 +15,9 @@ from common.schemas.fields import SchemaError, as_text, integer, json_map, keys_
 
 # The digests a version may be announced with, and the length of each one's hex form.
 DIGEST_HEX_LENGTHS = {"xxh3-128": 32, "sha256": 64}
-# How an announced version is delivered: a directory of safetensors files, or over the NCCL update group.
-WEIGHTS_FORMATS = ("hf-safetensors", "nccl")
+# How an announced version is delivered: a directory of safetensors files, over the NCCL update group, or a LoRA
+# adapter's directory (learner.lora; common.model.lora) that the actors apply to the base model they hold.
+WEIGHTS_FORMATS = ("hf-safetensors", "nccl", "lora-safetensors")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import xxhash
 
+from common.model.lora import adapter_state, write_adapter
 from common.schemas import DIGEST_HEX_LENGTHS, WeightsAnnouncement
 from common.storage import fsync_dir, fsync_tree, open_to_umask
 from common.transport.lease import LeaseLost
@@ -57,20 +58,24 @@ def version_dir(root: str | os.PathLike[str], version: int) -> Path:
     return Path(root) / f"v{version:06d}"
 
 
-def digest(directory: str | os.PathLike[str], algorithm: str = "xxh3-128") -> tuple[str, int]:
-    """``"<algorithm>:<hex>"`` over every ``*.safetensors`` file in name order, and their total size in bytes."""
+def digest(
+    directory: str | os.PathLike[str], algorithm: str = "xxh3-128", *, published: bool = True
+) -> tuple[str, int]:
+    """``"<algorithm>:<hex>"`` over every ``*.safetensors`` file in name order, and their total size in bytes.
+    ``published``: a version of the store (regular files only); False for a model directory of the user's, whose
+    files may be symlinks (a Hugging Face cache)."""
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{directory}: no *.safetensors files")
     h = _hasher(algorithm)
-    total = sum(_hash_file(h, f) for f in files)
+    total = sum(_hash_file(h, f, follow_symlinks=not published) for f in files)
     return f"{algorithm}:{h.hexdigest()}", total
 
 
-def _hash_file(h: Any, path: Path) -> int:
+def _hash_file(h: Any, path: Path, *, follow_symlinks: bool = False) -> int:
     """Stream one file into ``h`` without holding it in memory (a mapping on a local filesystem, 16 MiB reads on a
     network one: see _contents); returns its size. Verifying a version an engine loads itself needs no buffer."""
-    with open_regular(path) as fh:
+    with open_regular(path, follow_symlinks=follow_symlinks) as fh:
         if _mapped(path) and os.fstat(fh.fileno()).st_size:
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
                 h.update(m)
@@ -183,6 +188,7 @@ def publish(
     protect: Collection[int] = (),
     token: int = 0,
     superseded: Superseded | None = None,
+    base: dict[str, str] | None = None,
 ) -> Published:
     """Write ``version`` atomically and prune old versions. The caller announces it (see Transport).
 
@@ -195,7 +201,8 @@ def publish(
     number (the one announced now); ``version`` itself is always kept. ``token``: the publishing learner's lease
     token, kept in the version's ``lease_token`` file; a version of a higher token is never replaced or pruned, and
     one that ``superseded(token, version)`` says a learner wrote after another took the run over is pruned and never
-    counted (learner.fencing).
+    counted (learner.fencing). ``base`` (learner.lora: the base model's identity, common.model.lora): the version
+    is the model's adapter alone, announced as ``lora-safetensors``, with ``base.json`` beside it.
 
     One writer at a time in a process (the learner's training loop and its broadcast thread both publish): a
     publish waits for the one before it and for that one's prune, so a prune never runs beside a write of this
@@ -208,14 +215,15 @@ def publish(
         wait_pruned(root)
         root.mkdir(parents=True, exist_ok=True)
         final, checked, nbytes = _write_version(
-            model, tokenizer, root, version, dtype, digest_algorithm, state_dict, token
+            model, tokenizer, root, version, dtype, digest_algorithm, state_dict, token, base
         )
         kept = {version, *protect}
         if prune_in_background:
             _pruning[root] = _pruner.submit(prune, root, keep, kept, token, superseded)
         else:
             prune(root, keep, kept, token, superseded)
-    ann = WeightsAnnouncement(version=version, uri=str(final), digest=checked)
+    fmt = "hf-safetensors" if base is None else "lora-safetensors"
+    ann = WeightsAnnouncement(version=version, uri=str(final), digest=checked, format=fmt)
     return Published(ann, nbytes, time.perf_counter() - t0)
 
 
@@ -228,20 +236,24 @@ def _write_version(
     digest_algorithm: str,
     state_dict: dict[str, torch.Tensor] | None,
     token: int = 0,
+    base: dict[str, str] | None = None,
 ) -> tuple[Path, str, int]:
     """Write a version under a temporary name this process owns (see prune), sync it, and rename it into place."""
     tmp = root / f".tmp-v{version:06d}-{_OWNER}-{uuid.uuid4().hex[:8]}"
     try:
-        state = state_dict
+        state = state_dict if state_dict is not None or base is None else adapter_state(model)
         if dtype != "model":
             cast = getattr(torch, dtype)
-            whole = state_dict if state_dict is not None else model.state_dict()
+            whole = state if state is not None else model.state_dict()
             state = {k: v.to(cast) if v.is_floating_point() else v for k, v in whole.items()}
-        model.save_pretrained(tmp, state_dict=state, safe_serialization=True, max_shard_size="50GB")
-        if dtype != "model":
-            _set_config_dtype(tmp / "config.json", dtype)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        if base is not None:  # learner.lora: the adapter alone (the actors hold the base and its tokenizer)
+            write_adapter(model, tmp, state, base)
+        else:
+            model.save_pretrained(tmp, state_dict=state, safe_serialization=True, max_shard_size="50GB")
+            if dtype != "model":
+                _set_config_dtype(tmp / "config.json", dtype)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
         checked, nbytes = digest(tmp, digest_algorithm)
         (tmp / "digest").write_text(checked + "\n")
         (tmp / LEASE_TOKEN_FILE).write_text(f"{token}\n")

@@ -350,6 +350,7 @@ def test_concurrent_publishes_all_succeed_and_the_announced_version_is_kept(
         _publish_lock=threading.Lock(),
         _announced=-1,
         _announce=announce,
+        base=None,  # whole weights (learner.lora off)
         metrics=LearnerMetrics(CollectorRegistry()),
     )
     versions = list(range(1, 41))

@@ -1,0 +1,143 @@
+"""LoRA adapters (``learner.lora``), as the peft library lays them out, for every role that meets one: the learner
+trains and publishes them, the local engine applies them, ``grpo export`` merges them.
+
+An adapter directory holds ``adapter_config.json`` (peft's) and ``adapter_model.safetensors`` (peft's names:
+``base_model.model.<module>.lora_A.weight``), which is what peft's ``PeftModel.from_pretrained`` and SGLang's
+``/load_lora_adapter`` read, and ``base.json``: the base model's path and the digest of its safetensors files. An
+adapter means nothing on another base of the same shapes, so whoever applies one checks the digest of the base it
+holds against that first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+BASE_FILE = "base.json"
+
+
+def is_adapter_dir(directory: str | os.PathLike[str]) -> bool:
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def is_lora(model: Any) -> bool:
+    """Whether ``model`` is a peft model (the policy with an adapter)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def peft_config(rank: int, alpha: float, dropout: float, target_modules: list[str] | str) -> Any:
+    """peft's LoraConfig for a causal LM with these settings (no bias, no modules saved whole: only the adapter)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,  # type: ignore[arg-type]  # peft hints int; it scales by alpha / r, a float either way
+        lora_dropout=dropout,
+        target_modules=target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def wrap(model: Any, config: Any) -> Any:
+    """``model`` with a fresh adapter (B = 0: the wrapped model computes exactly what the base does); only the
+    adapter's parameters require grad."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, config)
+
+
+def wrap_as(model: Any, directory: str | os.PathLike[str]) -> Any:
+    """``model`` with an adapter shaped as the one in ``directory`` (its ``adapter_config.json``), not yet loaded."""
+    from peft import LoraConfig
+
+    config = LoraConfig.from_pretrained(str(directory))
+    config.inference_mode = True
+    return wrap(model, config)
+
+
+def adapter_state(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's saved names (what ``adapter_model.safetensors`` holds)."""
+    from peft import get_peft_model_state_dict
+
+    return dict(get_peft_model_state_dict(model))
+
+
+def load_adapter(model: Any, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy an adapter's tensors into ``model``'s adapter, all or nothing: names, shapes and dtypes are checked
+    first (peft's own loader copies what fits and reports the rest after), so a version of another rank or other
+    layers leaves the served adapter as it was."""
+    from peft import set_peft_model_state_dict
+
+    from common.weights import WeightsMismatch, mismatch, specs_of
+
+    if problem := mismatch(specs_of(adapter_state(model)), specs_of(state)):
+        raise WeightsMismatch(f"the adapter does not fit the served one: {problem}")
+    with torch.no_grad():
+        set_peft_model_state_dict(model, dict(state))
+
+
+def write_adapter(
+    model: Any, directory: Path, state: Mapping[str, torch.Tensor] | None = None, base: dict | None = None
+) -> None:
+    """``adapter_config.json``, ``adapter_model.safetensors`` (``state``, or the model's adapter) and, with
+    ``base``, ``base.json``: peft's layout without the model card its ``save_pretrained`` adds."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.peft_config["default"]
+    config.save_pretrained(str(directory))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in (state or adapter_state(model)).items()}
+    save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if base is not None:
+        (directory / BASE_FILE).write_text(json.dumps(base, sort_keys=True) + "\n")
+
+
+def base_identity(model_path: str) -> dict[str, str]:
+    """The base model an adapter belongs to: its path and the digest of its safetensors files (symlinks followed:
+    a Hugging Face cache links its files to blobs). Hashing a 135M model takes a fraction of a second; a 7B one a
+    few seconds, once per process."""
+    from common.weights import digest
+
+    directory = Path(model_path).expanduser()
+    if not directory.is_dir():  # a hub name: its files in the local cache, where transformers loaded them from
+        try:
+            from huggingface_hub import snapshot_download
+
+            directory = Path(snapshot_download(str(model_path), local_files_only=True))
+        except Exception:  # (not cached, no huggingface_hub): no digest, and no check against it
+            return {"path": str(model_path), "digest": ""}
+    checked, _ = digest(directory, published=False)
+    return {"path": str(model_path), "digest": checked}
+
+
+def read_base(directory: str | os.PathLike[str]) -> dict[str, str]:
+    """The ``base.json`` of an adapter directory ({} where it has none: then no check can be made)."""
+    from common.weights import open_regular
+
+    try:
+        with open_regular(Path(directory) / BASE_FILE) as f:  # a version's file: regular files only
+            value = json.loads(f.read(1 << 16))
+    except (OSError, ValueError, RuntimeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def base_mismatch(own: Mapping[str, str], wanted: Mapping[str, str]) -> str | None:
+    """Why an adapter trained on ``wanted`` must not be applied to the base ``own``, or None (pure)."""
+    if not wanted.get("digest") or wanted.get("digest") == own.get("digest"):
+        return None
+    return (f"its base model {wanted.get('path', '?')!r} ({str(wanted['digest'])[:24]}…) is not this process's "
+            f"{own.get('path', '?')!r} ({str(own.get('digest', ''))[:24]}…)")  # fmt: skip
+
+
+def merged(model: Any) -> Any:
+    """The base model with the adapter folded into its weights (W + B A · alpha / r), no longer a peft model."""
+    return model.merge_and_unload()
