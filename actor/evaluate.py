@@ -34,7 +34,8 @@ log = logging.getLogger("eval")
 
 def main(argv: Sequence[str]) -> int:
     p = role_parser("grpo eval", (__doc__ or "").splitlines()[0])
-    p.add_argument("--model", required=True, help="an HF model directory (e.g. a published version) or hub name")
+    p.add_argument("--model", required=True, help="an HF model directory (e.g. a published version, or a LoRA "
+                   "version, applied over its base) or hub name")  # fmt: skip
     p.add_argument("--n", type=int, default=8, help="sampled answers per problem (mean@n, pass@n); 0 = greedy only")
     p.add_argument("--dataset", help="evaluate on this file, dataset directory or hub name (sets task.eval_path)")
     p.add_argument("--subset", help="the hub dataset's configuration (task.subset), e.g. main for openai/gsm8k")
@@ -60,10 +61,11 @@ def main(argv: Sequence[str]) -> int:
     overrides += [f"task.eval_split={json.dumps(args.split)}"] if args.split is not None else []
     cfg = load_config(args.config, overrides)
     setup_logging("eval", cfg.run.log_level)
+    adapter = lora_version(cfg)
     if cfg.actor.engine == "local":
         check_device(cfg.model.device)
-    check_engine(cfg.actor.engine, cfg.sglang.url, cfg.sglang.device)
-    report = evaluate(cfg, args.n)
+    check_engine(cfg.actor.engine, cfg.sglang.url, cfg.sglang.device, cfg.learner.lora.rank)
+    report = evaluate(cfg, args.n, adapter)
     text = json.dumps(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -78,7 +80,34 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def evaluate(cfg: Any, n: int) -> dict[str, Any]:
+def lora_version(cfg: Any) -> Any:
+    """``--model`` a LoRA version (learner.lora): the engine serves its base (``base.json``) and the adapter is
+    loaded into it as the actors load it, verified against its digest; returns its announcement (None for a model
+    of whole weights). The config is set for that: model.path, weights.dir, learner.lora's rank and layers."""
+    from common.config import ConfigError
+    from common.model.lora import ADAPTER_CONFIG, is_adapter_dir, read_base
+    from common.schemas import WeightsAnnouncement
+
+    version = Path(cfg.model.path)
+    if not is_adapter_dir(version):
+        return None
+    base = read_base(version).get("path", "")
+    try:
+        digest = (version / "digest").read_text().strip()
+        adapter = json.loads((version / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config error: model.path: {version} is not a published LoRA version ({e})") from None
+    if not base or not Path(base).is_dir():
+        raise ConfigError(f"config error: model.path: {version} is a LoRA adapter whose base {base!r} is not a "
+                          "directory here; merge it into its base first (grpo export) and evaluate that")  # fmt: skip
+    cfg.model.path, cfg.weights.dir = base, str(version.parent)
+    cfg.learner.lora.rank = int(adapter["r"])
+    cfg.learner.lora.target_modules = sorted(adapter["target_modules"])
+    number = version.name.removeprefix("v")
+    return WeightsAnnouncement(int(number) if number.isdigit() else 0, str(version), digest, "lora-safetensors")
+
+
+def evaluate(cfg: Any, n: int, adapter: Any = None) -> dict[str, Any]:
     import torch
 
     from actor.engine import make_engine
@@ -92,6 +121,8 @@ def evaluate(cfg: Any, n: int) -> dict[str, Any]:
     problems = eval_problems(cfg.task, cfg.run.seed)
     t0 = time.perf_counter()
     engine = make_engine(cfg, seed=cfg.run.seed)
+    if adapter is not None:  # a LoRA version over its base, as the actors apply it
+        engine.load(adapter)
     grader = open_grader(
         correctness(cfg.grader)
     )  # right or wrong, not the training reward (see common.tasks.evaluation)
@@ -111,7 +142,7 @@ def evaluate(cfg: Any, n: int) -> dict[str, Any]:
         grader.close()
         engine.close()
     return {
-        "model": cfg.model.path,
+        "model": adapter.uri if adapter is not None else cfg.model.path,
         "task": cfg.task.eval_path or cfg.task.path or cfg.task.name,
         "problems": len(problems),
         "n": n,

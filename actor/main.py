@@ -14,7 +14,7 @@ def main(argv: Sequence[str]) -> int:
     setup_logging("actor", cfg.run.log_level)
     if cfg.actor.engine == "local":  # sglang: the server's device is sglang.device; sim loads no model
         check_device(cfg.model.device)
-    check_engine(cfg.actor.engine, cfg.sglang.url, cfg.sglang.device)
+    check_engine(cfg.actor.engine, cfg.sglang.url, cfg.sglang.device, cfg.learner.lora.rank)
     from actor.process import run_actor  # torch and transformers load only after the arguments are valid
 
     return run_actor(cfg)

@@ -11,6 +11,9 @@
   not flushed because requests are still running or queued": the weights *are* loaded (and later replies carry the
   new ``weight_version``), so the actor asks ``/flush_cache?timeout=…`` until the server takes it (bounded, logged,
   counted) and then ``/update_weight_version``, which brings ``/model_info`` up to date (it is not, after that 400).
+- learner.lora: each version's adapter through ``/load_lora_adapter`` and named by every ``/generate`` request
+  (``lora_path``), the one before unloaded (actor.sglang_lora); the server must have been started with LoRA on
+  (checked at start through ``/server_info``), which SGLang does on GPUs only.
 - ``GET /health`` for readiness. Requests are retried a bounded number of times on connection errors and 5xx, except
   when the server this actor launched has died: that is said at once.
 
@@ -30,10 +33,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from actor.engine_protocol import EngineError
+from actor.sglang_lora import adapter_name, already_loaded, launch_args, load_body, load_refusal
 from actor.sglang_server import LaunchedServer
 from common.config import Config
 from common.metrics import EngineEvent
 from common.model.generation import Sample
+from common.model.lora import base_identity, base_mismatch, read_base
 from common.schemas import WeightsAnnouncement
 from common.weights import WeightsError, WeightsMismatch, confined, mismatch, tensor_specs, verify
 from common.weights.nccl import Round
@@ -52,9 +57,11 @@ def generate_request(
     max_new_tokens: int,
     stop_token_ids: Iterable[int],
     mode: str,
+    lora: str | None = None,
 ) -> dict[str, Any]:
     """One /generate body for ``n`` samples of each prompt. ``mode`` "n": one entry per prompt with
-    ``sampling_params.n``; "separate": each prompt repeated ``n`` times. Either way the reply is prompt-major."""
+    ``sampling_params.n``; "separate": each prompt repeated ``n`` times. Either way the reply is prompt-major.
+    ``lora``: the name of a loaded adapter every prompt is sampled with (actor.sglang_lora)."""
     params: dict[str, Any] = {
         "temperature": temperature,
         "top_p": 1.0,
@@ -71,7 +78,8 @@ def generate_request(
         ids = [list(p) for p in prompts for _ in range(n)]
     else:
         raise ValueError(f"unknown request mode {mode!r}")
-    return {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
+    body = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
+    return body | ({"lora_path": lora} if lora is not None else {})
 
 
 def parse_samples(reply: Any, n_prompts: int, n: int) -> tuple[list[list[Sample]], str | None]:
@@ -205,6 +213,8 @@ class SGLangEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = _stop_ids(cfg.model.path, self.tokenizer)
         self.version = 0
+        self.adapter: str | None = None  # learner.lora: the loaded adapter every request names
+        self._base: dict[str, str] | None = None  # model.path's identity, read at the first LoRA version
         self.on_event = on_event  # engine incidents survived, by kind (grpo_actor_engine_events_total)
         self._said_flush = False
         # A real server's scheduler dies on a checkpoint whose shapes differ from its model's (an assertion in its
@@ -227,8 +237,21 @@ class SGLangEngine:
         log.info(
             "SGLang at %s serves weight_version %r (policy version %d)", self.client.url, self.served, self.version
         )
+        if cfg.learner.lora.rank:
+            self._check_lora()
         # weights.transport nccl: the server's ranks in the update group are its tensor-parallel workers
         self.nccl_ranks = self._update_group_ranks() if cfg.weights.transport == "nccl" else 0
+
+    def _check_lora(self) -> None:
+        """learner.lora: the server must take adapters of this rank (a launched one is started so; a given one may
+        not be), said at start, not at the first version."""
+        lora = self.cfg.learner.lora
+        info = self.client.request("GET", "/server_info") or {}
+        rank = info.get("max_lora_rank")
+        if not info.get("enable_lora") or (rank is not None and int(rank) < lora.rank):
+            raise EngineError(f"learner.lora: the SGLang server at {self.client.url} cannot take rank-{lora.rank} "
+                              f"adapters (enable_lora {info.get('enable_lora')}, max_lora_rank {rank}): start it with "
+                              f"{' '.join(launch_args(lora.rank, lora.target_modules))}")  # fmt: skip
 
     def _update_group_ranks(self) -> int:
         """The server's ranks in an update group (its tp_size), or 0 where SGLang cannot take part: it refuses
@@ -271,11 +294,14 @@ class SGLangEngine:
         """The completions and the policy version the server generated them with (None where it reports none).
         Safe to call from several threads at once: each call is its own HTTP request."""
         s = self.cfg.sampling
+        adapter, version = self.adapter, self.version  # the request names the adapter: its version, whole answers
         body = generate_request(
             prompts, n, temperature=0.0 if greedy else s.temperature, max_new_tokens=s.max_new_tokens,
-            stop_token_ids=self.stop_ids, mode=self.cfg.sglang.requests,
+            stop_token_ids=self.stop_ids, mode=self.cfg.sglang.requests, lora=adapter,
         )  # fmt: skip
         groups, served = parse_samples(self.client.request("POST", "/generate", body), len(prompts), n)
+        if adapter is not None:  # the reply's weight_version is the base's, which adapters do not change
+            return groups, version
         if served is None:
             return groups, None
         if served != self.served:
@@ -298,6 +324,8 @@ class SGLangEngine:
         """Verify the published directory (inside ``weights.dir``) against its digest and the served model's
         tensors, then have the server load it as our version. Refused before the server sees it: the server keeps
         its weights and the engine its version."""
+        if ann.format == "lora-safetensors":
+            return self._load_adapter(ann)
         directory = confined(ann.uri, self.cfg.weights.dir)
         nbytes = verify(ann, root=self.cfg.weights.dir)
         if self.specs and (problem := mismatch(self.specs, tensor_specs(directory))):
@@ -317,7 +345,40 @@ class SGLangEngine:
             self.client.request("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
         self.version = ann.version
         self.served = version
+        self._drop_adapter()  # whole weights replace the base; requests name no adapter from now on
         return nbytes
+
+    def _load_adapter(self, ann: WeightsAnnouncement) -> int:
+        """A LoRA version: verified (its digest, and its base against the model this engine serves), loaded under
+        a name of its own through ``/load_lora_adapter``, then named by every request; the adapter before it is
+        unloaded (no request uses it: the actor loads between rounds). Refused before the server sees it, or by
+        the server: WeightsError, and the engine samples on with what it had."""
+        directory = confined(ann.uri, self.cfg.weights.dir)
+        nbytes = verify(ann, root=self.cfg.weights.dir)
+        if self._base is None:
+            self._base = base_identity(self.cfg.model.path)
+        if problem := base_mismatch(self._base, read_base(directory)):
+            raise WeightsMismatch(f"weights v{ann.version}: a LoRA adapter whose {problem}")
+        name = adapter_name(ann)
+        reply = self.client.request("POST", "/load_lora_adapter", load_body(name, str(directory)), ok_statuses=(400,))
+        if (refused := load_refusal(reply)) is not None and not already_loaded(refused):
+            raise WeightsError(f"weights v{ann.version}: the SGLang server refused the LoRA adapter: {refused}")
+        previous, self.adapter, self.version = self.adapter, name, ann.version
+        if previous is not None and previous != name:
+            self._unload(previous)
+        return nbytes
+
+    def _drop_adapter(self) -> None:
+        if self.adapter is not None:
+            self._unload(self.adapter)
+            self.adapter = None
+
+    def _unload(self, name: str) -> None:
+        """Free an adapter no request names any more; a failure only leaves it to the server's own eviction."""
+        try:
+            self.client.request("POST", "/unload_lora_adapter", {"lora_name": name}, ok_statuses=(400,))
+        except EngineError as e:
+            log.debug("unloading LoRA adapter %s: %s", name, e)
 
     def _flush(self, version: int) -> None:
         """The server loaded ``version`` but had requests in flight when it tried to flush its prefix cache, whose
@@ -396,6 +457,7 @@ class SGLangEngine:
             self._unless_stuck(f"weights v{rnd.version} over NCCL", e)
         self.version = rnd.version
         self.served = str(rnd.version)
+        self._drop_adapter()
         return sum(b.nbytes for b in rnd.buckets)
 
     def close(self) -> None:

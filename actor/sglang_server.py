@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from actor.sglang_lora import launch_args
 from common.config import Config
 from common.metrics import register_endpoint
 from common.net import free_port
@@ -79,6 +80,8 @@ def launch_command(cfg: Config, port: int) -> tuple[list[str], dict[str, str]]:
         preloads = cpu_preloads(cmd[0]) if sc.cpu_preload else []
         if preloads:
             env["LD_PRELOAD"] = ":".join([*preloads, *filter(None, [env.get("LD_PRELOAD", "")])])
+    if cfg.learner.lora.rank:  # versions will be adapters of this shape: the server reserves room for them now
+        cmd += launch_args(cfg.learner.lora.rank, cfg.learner.lora.target_modules)
     return cmd + sc.launch_args, env
 
 

@@ -6,6 +6,9 @@ fed synthetic groups; prints tokens/s and model FLOPs utilisation (MFU). Needs n
     python benchmarks/learner_throughput.py --model DIR --dtype float32 --threads 1 -o learner.autocast=auto \
         --groups 8 --group-size 8 --prompt-len 30 --completion-len 16 --grad-accum 1            # the CPU recipe's step
 
+``-o learner.lora.rank=16`` trains a LoRA adapter instead of every weight (the report's ``trainable_parameters``;
+on the CPU ``peak_rss_mib``, the process's peak resident memory).
+
 ``--model`` trains a pretrained HF directory (e.g. SmolLM2, imported by ``grpo import-model``) instead of a preset;
 ``-o learner.autocast=off|bfloat16|auto`` sets the precision of its forward passes. The report names the machine
 (CPU model and features, cores, load) and the autocast it resolved to.
@@ -114,6 +117,11 @@ def main() -> int:
          f"model.device={args.device}", *args.override],
         env={},
     )  # fmt: skip
+    lora = cfg.learner.lora
+    if lora.rank:  # -o learner.lora.rank=16: the adapter alone is trained, as the learner does (learner.loop)
+        from common.model.lora import peft_config, wrap
+
+        model = wrap(model, peft_config(lora.rank, lora.alpha, lora.dropout, lora.target_modules))
     trainer = Trainer(cfg, model, pad_id=0)
     rng = np.random.default_rng(0)
     step_tokens = []  # each step's real tokens (prompt and completion, no padding)
@@ -146,6 +154,8 @@ def main() -> int:
         "bf16_compute": trainer.bf16,
         "threads": torch.get_num_threads(),
         "parameters": n_params,
+        "lora_rank": lora.rank,
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "micro_batch_tokens": cfg.learner.micro_batch_tokens,
         "grad_accum": cfg.learner.grad_accum,
         "pack_sequences": cfg.learner.pack_sequences,
@@ -166,6 +176,10 @@ def main() -> int:
         report["peak_tflops"] = peak
     if args.device.startswith("cuda"):
         report["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    else:  # the process's peak resident memory: the model, its gradients, the optimizer's state, activations
+        import resource
+
+        report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     print(json.dumps(report))
     return 0
 

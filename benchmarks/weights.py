@@ -7,6 +7,8 @@ raw ``safetensors.torch.save_file`` and ``load_file`` of the same state dict, me
 
 The model is a randomly initialised Llama (about 53M parameters in --quick mode, 160M otherwise) in float32; the
 two paths alternate trial by trial and the figure is the median of raw seconds ÷ project seconds (goal ≥ 0.5).
+Then a LoRA version of the same model (learner.lora: rank 16 on every linear layer) is published and loaded the
+same way: its bytes and seconds beside the full version's (``lora_bytes_ratio``, ``lora_seconds_ratio``).
 Prints one JSON object.
 """
 
@@ -28,6 +30,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from common.model.lora import load_adapter, peft_config, wrap  # noqa: E402
 from common.weights import load_into, load_state_dict, publish  # noqa: E402
 
 SIZES = {
@@ -67,6 +70,35 @@ def raw(model: torch.nn.Module, root: Path, version: int) -> float:
     return elapsed
 
 
+def adapter(policy: torch.nn.Module, engine: torch.nn.Module, root: Path, version: int) -> tuple[float, int]:
+    """A LoRA version (learner.lora) the same way: the adapter published with its base's identity, then read,
+    verified and copied into the engine's adapter. Seconds and bytes."""
+    os.sync()
+    t0 = time.perf_counter()
+    pub = publish(policy, None, root, version, keep=2, prune_in_background=True, base=BASE)
+    state, _ = load_state_dict(pub.announcement)
+    load_adapter(engine, state)
+    return time.perf_counter() - t0, pub.nbytes
+
+
+BASE = {"path": "bench", "digest": ""}  # no base on disk to name: the actors' check is the local engine's, not timed
+LORA_RANK = 16
+
+
+def with_adapter(model: torch.nn.Module) -> torch.nn.Module:
+    return wrap(model, peft_config(LORA_RANK, 2.0 * LORA_RANK, 0.0, "all-linear")).eval()
+
+
+def adapter_trials(size: str, root: Path, trials: int) -> dict[str, object]:
+    """Publish-to-loaded of a rank-16 adapter on every linear layer of the same model, beside the full version's."""
+    policy, engine = with_adapter(build(size)[0]), with_adapter(build(size)[0])
+    adapter(policy, engine, root, 0)  # warm-up
+    runs = [adapter(policy, engine, root, v) for v in range(1, trials + 1)]
+    shutil.rmtree(root, ignore_errors=True)
+    return {"rank": LORA_RANK, "bytes": runs[0][1], "project_s": statistics.median(s for s, _ in runs),
+            "trials_project_s": [s for s, _ in runs]}  # fmt: skip
+
+
 def run(quick: bool) -> dict[str, object]:
     hf_logging.disable_progress_bar()
     size = "25m" if quick else "100m"
@@ -85,6 +117,7 @@ def run(quick: bool) -> dict[str, object]:
             r_s.append(r)
             ratios.append(r / p)
         shutil.rmtree(root / "weights", ignore_errors=True)
+        lora = adapter_trials(size, root / "adapters", trials)
     ratio = statistics.median(ratios)
     return {
         "name": "B4 weights",
@@ -98,6 +131,10 @@ def run(quick: bool) -> dict[str, object]:
         "ok": ratio >= 0.5,
         "trials_project_s": p_s,  # each trial's seconds, that the figures above can be checked against
         "trials_raw_s": r_s,
+        # the same model's LoRA version: bytes and seconds, and how many times fewer / faster than the full one
+        "lora": lora,
+        "lora_bytes_ratio": n_params * 4 / float(lora["bytes"]),  # type: ignore[arg-type]
+        "lora_seconds_ratio": statistics.median(p_s) / float(lora["project_s"]),  # type: ignore[arg-type]
     }
 
 

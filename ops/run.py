@@ -387,7 +387,8 @@ def main(argv: Sequence[str]) -> int:
     cfg = load_config(args.config, args.override)
     setup_logging("run", cfg.run.log_level)
     check_device(cfg.model.device)  # the learner's, before any directory or process exists
-    check_engine(cfg.actor.engine, cfg.sglang.url, cfg.sglang.device)  # the actors' servers, likewise
+    # the actors' servers, likewise
+    check_engine(cfg.actor.engine, cfg.sglang.url, cfg.sglang.device, cfg.learner.lora.rank)
     from ops.live_view import Progress  # rich loads only after the arguments are valid
 
     if cfg.metrics.port:

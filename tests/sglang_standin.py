@@ -1,5 +1,6 @@
 """A stand-in for a SGLang server, for tests on machines without a GPU: the request and reply shapes of SGLang 0.5.23's
-native API (``/health``, ``/model_info``, ``/server_info``, ``/generate``, ``/update_weights_from_disk``,
+native API (``/health``, ``/model_info``, ``/server_info``, ``/generate``, ``/update_weights_from_disk``, the LoRA
+adapters' ``/load_lora_adapter`` and ``/unload_lora_adapter`` (tests/sglang_standin_lora.py),
 ``/get_weights_by_name``, and the update-group calls: ``/init_weights_update_group``, ``/destroy_weights_update_group``,
 ``/begin_weight_update``, ``/update_weights_from_distributed``, ``/end_weight_update``), served over real HTTP, with a
 real model on the CPU (transformers) so that token ids and log-probs are genuine, and a real torch.distributed group
@@ -36,6 +37,8 @@ from typing import Any
 
 import torch
 
+from tests.sglang_standin_lora import Adapters, LoraError, disabled
+
 _SAMPLING_TYPES: dict[str, tuple[type, ...]] = {
     "temperature": (int, float), "top_p": (int, float), "top_k": (int,), "max_new_tokens": (int,), "n": (int,),
     "stop": (str, list), "stop_token_ids": (list,), "skip_special_tokens": (bool,), "no_stop_trim": (bool,),
@@ -55,7 +58,9 @@ class StandIn:
         port: int = 0,
         weight_version: str = "default",
         busy_s: float = 0.0,
+        lora: tuple[int, list[str], int] | None = None,
     ):
+        """``lora``: launched with --enable-lora: (max_lora_rank, lora_target_modules, max_loaded_loras)."""
         from common.model.loading import load_pretrained
 
         self.model_path = model_path
@@ -67,6 +72,7 @@ class StandIn:
         self.requests: list[tuple[str, Any]] = []  # (path, JSON body) of every POST, in order
         self.fail_next_update = False
         self.cache_flushes = 0
+        self.adapters = Adapters(self.model, *lora) if lora is not None else None
         self.groups: dict[str, Any] = {}  # update groups by name
         self.session = False  # between /begin_weight_update and /end_weight_update
         self._lock = threading.Lock()  # one generation or weight update at a time, as the scheduler serialises them
@@ -121,11 +127,17 @@ class StandIn:
             stop_ids.add(self.tokenizer.eos_token_id)
         temperature = float(params.get("temperature", 1.0))
         with self._lock:
-            groups = generate(
-                self.model, prompts, n=n, max_new_tokens=int(params.get("max_new_tokens", 128)), stop_ids=stop_ids,
-                pad_id=self.tokenizer.pad_token_id or 0, temperature=temperature if temperature > 0 else None,
-                greedy_logprobs=bool(body.get("return_logprob")),  # a real server reports them at temperature 0 too
-            )  # fmt: skip
+            models = self._models(body.get("lora_path"), len(prompts))
+            groups: list[Any] = [None] * len(prompts)
+            for model in {id(m): m for m in models}.values():  # the prompts of each adapter (or the base) together
+                mine = [i for i, m in enumerate(models) if m is model]
+                for i, group in zip(mine, generate(
+                    model, [prompts[i] for i in mine], n=n, max_new_tokens=int(params.get("max_new_tokens", 128)),
+                    stop_ids=stop_ids, pad_id=self.tokenizer.pad_token_id or 0,
+                    temperature=temperature if temperature > 0 else None,
+                    greedy_logprobs=bool(body.get("return_logprob")),  # a real server reports them at temperature 0
+                ), strict=True):  # fmt: skip
+                    groups[i] = group
             version = self.scheduler_version
             self._busy_until = time.monotonic() + self.busy_s
         out = []
@@ -151,6 +163,27 @@ class StandIn:
                     },
                 })  # fmt: skip
         return out if batch or n > 1 else out[0]
+
+    def _models(self, lora_path: Any, n_prompts: int) -> list[Any]:
+        if lora_path is None:
+            return [self.model] * n_prompts
+        if self.adapters is None:
+            raise disabled(lora_path)
+        return self.adapters.models_for(lora_path, n_prompts)
+
+    def load_lora(self, body: dict) -> tuple[int, dict]:
+        if self.adapters is None:
+            return 400, {"success": False, "error_message": "LoRA is not enabled. Please set `--enable-lora` to "
+                         "enable LoRA."}  # fmt: skip
+        with self._lock:
+            return self.adapters.load(body)
+
+    def unload_lora(self, body: dict) -> tuple[int, dict]:
+        if self.adapters is None:
+            return 400, {"success": False, "error_message": "LoRA is not enabled. Please set `--enable-lora` to "
+                         "enable LoRA."}  # fmt: skip
+        with self._lock:
+            return self.adapters.unload(body)
 
     def update_weights(self, body: dict) -> tuple[int, dict]:
         from pathlib import Path
@@ -331,7 +364,8 @@ class StandIn:
                 elif self.path == "/model_info":
                     self._reply(200, {"model_path": standin.model_path, "weight_version": standin.weight_version})
                 elif self.path == "/server_info":
-                    self._reply(200, {"model_path": standin.model_path, "tp_size": 1, "dp_size": 1})
+                    lora = standin.adapters.server_info() if standin.adapters else {"enable_lora": None}
+                    self._reply(200, {"model_path": standin.model_path, "tp_size": 1, "dp_size": 1, **lora})
                 else:
                     self._reply(404, {"error": self.path})
 
@@ -354,12 +388,18 @@ class StandIn:
                         self._reply(*standin.update_weights(body))
                     elif self.path == "/get_weights_by_name":
                         self._reply(*standin.weights_by_name(body))
+                    elif self.path == "/load_lora_adapter":
+                        self._reply(*standin.load_lora(body))
+                    elif self.path == "/unload_lora_adapter":
+                        self._reply(*standin.unload_lora(body))
                     elif self.path in standin.control:
                         self._reply(*standin.control[self.path](body))
                     else:
                         self._reply(404, {"error": self.path})
-                except BadRequest as e:
+                except (BadRequest, LoraError) as e:
                     self._reply(400, {"error": {"message": str(e)}})
+                except IndexError:  # a lora_path list shorter than the batch: the real server's 500
+                    self._reply(500, "Internal Server Error")
 
         return Handler
 
@@ -371,8 +411,13 @@ def main() -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--busy-s", type=float, default=0.0, help="seconds the scheduler stays busy after a /generate")
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int, default=0)
+    p.add_argument("--lora-target-modules", nargs="*", default=[])
+    p.add_argument("--max-loaded-loras", type=int, default=8)
     args, _unknown = p.parse_known_args()  # like launch_server's other options, ignored
-    server = StandIn(args.model_path, args.host, args.port, args.weight_version, args.busy_s)
+    lora = (args.max_lora_rank, args.lora_target_modules, args.max_loaded_loras) if args.enable_lora else None
+    server = StandIn(args.model_path, args.host, args.port, args.weight_version, args.busy_s, lora)
     server.httpd.serve_forever()
 
 

@@ -45,16 +45,21 @@ def check_device(device: str) -> None:
         raise ConfigError(f"config error: model.device: {device}: this machine has no {where.type} device")
 
 
-def check_engine(engine: str, url: str, sglang_device: str) -> None:
+def check_engine(engine: str, url: str, sglang_device: str, lora_rank: int = 0) -> None:
     """``actor.engine=sglang`` launching its server on a CPU that runs neither build of SGLang's CPU kernel is one
     line naming the missing CPU feature, before any process starts (the server would die with Illegal instruction
-    after minutes of loading). A server given by ``sglang.url`` runs elsewhere: nothing to check here."""
+    after minutes of loading); so is one with LoRA adapters (``lora_rank``, learner.lora.rank), which SGLang serves
+    on GPUs only. A server given by ``sglang.url`` runs elsewhere: nothing to check here."""
     if engine != "sglang" or url:
         return
     from common.hardware import cuda_device, read_cpu, sglang_cpu_build
 
     if sglang_device == "cuda" or (sglang_device == "auto" and cuda_device()):
         return
+    if lora_rank:
+        raise ConfigError("config error: learner.lora.rank: a SGLang server on the CPU cannot serve LoRA adapters "
+                          "(SGLang's LoRA layers need CUDA); use actor.engine=local, or sglang.url of a GPU "
+                          "server")  # fmt: skip
     build, why = sglang_cpu_build(read_cpu())
     if build is None:
         raise ConfigError(f"config error: actor.engine: sglang cannot run on this CPU: {why}; use actor.engine=local, "

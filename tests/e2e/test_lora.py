@@ -110,10 +110,22 @@ def _export_and_compare(run_dir: Path, model: Path, tmp: Path) -> None:
     ids = torch.tensor([prompts[0]])
     with torch.no_grad():
         assert (plain(input_ids=ids).logits - base(input_ids=ids).logits).abs().max() > 1e-4
+    # `grpo eval` takes the LoRA version as it is (the adapter over its base) and grades as the export does.
+    reports = [_eval(m, tmp / f"eval-{i}.json") for i, m in enumerate([last, out])]
+    assert [p["greedy"] for p in reports[0]["per_problem"]] == [p["greedy"] for p in reports[1]["per_problem"]]
+    assert reports[0]["model"] == str(last)
     # A second export into the same folder is refused in one line, exit 2, and changes nothing.
     again = subprocess.run([sys.executable, "-m", "common.cli", "export", str(run_dir), str(out)],
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert again.returncode == 2 and "not empty" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+
+
+def _eval(model: Path, out: Path) -> dict:
+    done = subprocess.run([sys.executable, "-m", "common.cli", "eval", "--model", str(model), "--n", "0", "--out",
+                           str(out), "-o", "task.eval_size=10", "-o", "grader.isolation=inline"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(out.read_text())
 
 
 def _tail(logs: Path) -> str:
