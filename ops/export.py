@@ -1,6 +1,7 @@
-"""``grpo export RUN_OR_VERSION OUT``: a trained policy as a plain Hugging Face folder, which
-``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)`` load as is
-(chat template included), for people who never run this project.
+"""``grpo export RUN_OR_VERSION OUT``: a trained policy as a plain Hugging Face folder that transformers loads as is.
+
+``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)`` load it (chat
+template included), for people who never run this project.
 
 RUN_OR_VERSION is a run directory (its newest version under ``weights.dir``, or ``--version N``) or a version
 directory (``.../weights/v000012``). A version of whole weights is copied; a LoRA version (learner.lora) is merged
