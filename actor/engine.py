@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,9 +25,22 @@ from common.cores import core_borrower
 from common.hardware import describe_device, resolve_bf16
 from common.model.generation import Sample, generate, pad_token_id, stop_token_ids
 from common.model.loading import load_pretrained
-from common.model.lora import base_identity, base_mismatch, is_lora, load_adapter, read_base, wrap_as
+from common.model.lora import (
+    adapter_state,
+    base_identity,
+    base_mismatch,
+    base_specs,
+    is_lora,
+    load_adapter,
+    read_base,
+    read_config,
+    same_shape,
+    served_config,
+    wrap,
+    wrap_as,
+)
 from common.schemas import WeightsAnnouncement
-from common.weights import WeightsError, WeightsMismatch, confined, load_into, load_state_dict
+from common.weights import WeightsError, WeightsMismatch, check_fits, confined, load_into, load_state_dict
 from common.weights.nccl import Round, abort_group, close_group, open_group, unflatten, wait_for
 
 log = logging.getLogger(__name__)
@@ -77,12 +91,18 @@ class LocalEngine:
         if ann.format == "lora-safetensors":
             self._apply_adapter(ann, state)
         else:
-            if is_lora(self.model):  # whole weights after adapters: the adapter goes, the weights replace the base
-                self.model = self.model.unload()
-            load_into(self.model, state)
-            self.base_intact = False
+            self._replace_base(state)
         self.version = ann.version
         return nbytes
+
+    def _replace_base(self, state: dict[str, torch.Tensor]) -> None:
+        """Whole weights: after adapters, checked against the base first, then the adapter goes and they replace
+        the base (all or nothing either way)."""
+        if is_lora(self.model):
+            check_fits(self.model.get_base_model(), state, base_specs(self.model))
+            self.model = self.model.unload()
+        load_into(self.model, state)
+        self.base_intact = False
 
     def _apply_adapter(self, ann: WeightsAnnouncement, state: dict[str, torch.Tensor]) -> None:
         """The adapter ``state`` over the base: the first one wraps the model with peft's layers (shaped by the
@@ -94,11 +114,29 @@ class LocalEngine:
                                   "of an earlier version instead of the base: restart the actor")  # fmt: skip
         if self._base is None:
             self._base = base_identity(self.cfg.model.path)
-        if problem := base_mismatch(self._base, read_base(directory)):
+        if not (recorded := read_base(directory)):
+            raise WeightsMismatch(f"weights v{ann.version}: a LoRA adapter without base.json (which base?)")
+        if problem := base_mismatch(self._base, recorded):
             raise WeightsMismatch(f"weights v{ann.version}: a LoRA adapter whose {problem}")
+        config = read_config(directory)
         if not is_lora(self.model):
-            self.model = wrap_as(self.model, directory).eval()
+            self.model = wrap_as(self.model, directory, config)
+        elif not same_shape(served_config(self.model), config):
+            self._reshape(directory, config, state)  # another rank, other layers or another alpha
+            return
         load_adapter(self.model, state)
+
+    def _reshape(self, directory: Path, config: Any, state: dict[str, torch.Tensor]) -> None:
+        """An adapter of another shape or scale than the one served (a run resumed with other settings): the model
+        is wrapped anew for it; when it does not fit, the adapter served before is put back as it was."""
+        before = (served_config(self.model), adapter_state(self.model))
+        self.model = wrap_as(self.model.unload(), directory, config)
+        try:
+            load_adapter(self.model, state)
+        except WeightsError:
+            self.model = wrap(self.model.unload(), before[0]).eval()
+            load_adapter(self.model, before[1])
+            raise
 
     # weights.transport nccl: the same group and buckets a SGLang server takes (common/weights/nccl.py)
 

@@ -90,19 +90,21 @@ def lora_version(cfg: Any) -> Any:
 
     version = Path(cfg.model.path)
     if not is_adapter_dir(version):
+        cfg.learner.lora.rank = 0  # a model of whole weights: no adapter to serve, whatever the config trains
         return None
     base = read_base(version).get("path", "")
     try:
         digest = (version / "digest").read_text().strip()
         adapter = json.loads((version / ADAPTER_CONFIG).read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"config error: model.path: {version} is not a published LoRA version ({e})") from None
-    if not base or not Path(base).is_dir():
+        rank, modules = int(adapter["r"]), sorted(adapter["target_modules"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"config error: model.path: {version} is not a published LoRA version ({e!r})") from None
+    if not base or (base.startswith(("/", ".")) and not Path(base).is_dir()):  # a path that is not here
         raise ConfigError(f"config error: model.path: {version} is a LoRA adapter whose base {base!r} is not a "
-                          "directory here; merge it into its base first (grpo export) and evaluate that")  # fmt: skip
+                          "directory here; merge it into its base first (grpo export --base DIR) and evaluate "
+                          "that")  # fmt: skip
     cfg.model.path, cfg.weights.dir = base, str(version.parent)
-    cfg.learner.lora.rank = int(adapter["r"])
-    cfg.learner.lora.target_modules = sorted(adapter["target_modules"])
+    cfg.learner.lora.rank, cfg.learner.lora.target_modules = rank, modules
     number = version.name.removeprefix("v")
     return WeightsAnnouncement(int(number) if number.isdigit() else 0, str(version), digest, "lora-safetensors")
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from actor.engine_protocol import EngineError
-from actor.sglang_lora import adapter_name, already_loaded, launch_args, load_body, load_refusal
+from actor.sglang_lora import adapter_name, already_loaded, launch_args, load_body, load_refusal, uncovered
 from actor.sglang_server import LaunchedServer
 from common.config import Config
 from common.metrics import EngineEvent
@@ -247,11 +247,17 @@ class SGLangEngine:
         not be), said at start, not at the first version."""
         lora = self.cfg.learner.lora
         info = self.client.request("GET", "/server_info") or {}
-        rank = info.get("max_lora_rank")
-        if not info.get("enable_lora") or (rank is not None and int(rank) < lora.rank):
+        rank, served = info.get("max_lora_rank"), info.get("lora_target_modules")
+        missing = uncovered(lora.target_modules, served) if served is not None else []
+        if not info.get("enable_lora") or (rank is not None and int(rank) < lora.rank) or missing:
             raise EngineError(f"learner.lora: the SGLang server at {self.client.url} cannot take rank-{lora.rank} "
-                              f"adapters (enable_lora {info.get('enable_lora')}, max_lora_rank {rank}): start it with "
+                              f"adapters of {lora.target_modules} (enable_lora {info.get('enable_lora')}, "
+                              f"max_lora_rank {rank}, lora_target_modules {served}): start it with "
                               f"{' '.join(launch_args(lora.rank, lora.target_modules))}")  # fmt: skip
+        if self.served.isdigit() and self.served != "0":
+            # Adapters apply to the weights the server holds: they must be the base (launched servers say "0").
+            raise EngineError(f"learner.lora: the SGLang server at {self.client.url} holds whole weights of version "
+                              f"{self.served}, not the base model adapters were trained on: restart it")  # fmt: skip
 
     def _update_group_ranks(self) -> int:
         """The server's ranks in an update group (its tp_size), or 0 where SGLang cannot take part: it refuses
@@ -301,6 +307,9 @@ class SGLangEngine:
         )  # fmt: skip
         groups, served = parse_samples(self.client.request("POST", "/generate", body), len(prompts), n)
         if adapter is not None:  # the reply's weight_version is the base's, which adapters do not change
+            if served is not None and served != self.served:
+                raise EngineError(f"the SGLang server's base weights changed to {served!r} under the LoRA adapters "
+                                  "(another client updated them): its answers are not the policy's")  # fmt: skip
             return groups, version
         if served is None:
             return groups, None
@@ -355,9 +364,11 @@ class SGLangEngine:
         the server: WeightsError, and the engine samples on with what it had."""
         directory = confined(ann.uri, self.cfg.weights.dir)
         nbytes = verify(ann, root=self.cfg.weights.dir)
-        if self._base is None:
+        if self._base is None:  # (a hub name has no files here to hash: nothing to check against)
             self._base = base_identity(self.cfg.model.path)
-        if problem := base_mismatch(self._base, read_base(directory)):
+        if not (recorded := read_base(directory)):
+            raise WeightsMismatch(f"weights v{ann.version}: a LoRA adapter without base.json (which base?)")
+        if problem := base_mismatch(self._base, recorded):
             raise WeightsMismatch(f"weights v{ann.version}: a LoRA adapter whose {problem}")
         name = adapter_name(ann)
         reply = self.client.request("POST", "/load_lora_adapter", load_body(name, str(directory)), ok_statuses=(400,))

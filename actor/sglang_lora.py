@@ -37,6 +37,20 @@ def launch_args(rank: int, target_modules: list[str] | str) -> list[str]:
             "--max-loras-per-batch", str(LOADED), "--max-loaded-loras", str(LOADED)]  # fmt: skip
 
 
+# SGLang serves q/k/v and gate/up as fused layers: a module is covered when its fused layer is.
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}  # fmt: skip
+
+
+def uncovered(target_modules: list[str] | str, served: list[str] | None) -> list[str]:
+    """The layers of our adapters a server started with ``--lora-target-modules served`` would refuse (pure)."""
+    ours = list(ALL_LINEAR) if target_modules == "all-linear" else list(target_modules)
+    fused = {_FUSED.get(m, m) for m in served or []}
+    if "all" in fused:
+        return []
+    return [m for m in ours if _FUSED.get(m, m) not in fused]
+
+
 def adapter_name(ann: WeightsAnnouncement) -> str:
     """A name for the version's adapter on the server: a version re-published after a resume (other contents under
     the same number) gets another name, as the server refuses a name it holds."""

@@ -39,10 +39,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.config import ConfigError
-from common.model.lora import ADAPTER_WEIGHTS, base_mismatch, load_adapter, write_adapter
+from common.model.lora import (
+    ADAPTER_WEIGHTS,
+    base_mismatch,
+    load_adapter,
+    read_config,
+    same_shape,
+    served_config,
+    write_adapter,
+)
 from common.storage import fsync_dir, fsync_tree, writing
 from common.transport import LeaseLost
-from common.weights import load_into
+from common.weights import WeightsError, load_into
 from learner.distributed import Ranks
 from learner.fencing import superseded_steps
 
@@ -292,6 +300,7 @@ def load(
         model_state.update(load_file(str(f)))
     optim = _optimizer_state(load_file(str(path / "optimizer.safetensors")), state["optimizer"])
     if base is not None:
+        _same_adapter(path, model)
         load_adapter(model, model_state)
         optimizer.load_state_dict(optim)
     elif ranks is None:
@@ -324,6 +333,21 @@ def _same_kind(path: Path, state: dict[str, Any], base: dict[str, str] | None) -
     if base is not None and (problem := base_mismatch(base, state.get("base") or {})):
         raise ConfigError(f"config error: model.path: checkpoint {path} holds an adapter whose {problem}; resume "
                           "with the base it was trained on")  # fmt: skip
+
+
+def _same_adapter(path: Path, model: Any) -> None:
+    """The checkpoint's adapter must be the one this learner trains: the same rank, layers and alpha (another alpha
+    would rescale the policy mid-run without a word)."""
+    try:
+        theirs = read_config(path)
+    except WeightsError as e:
+        raise ConfigError(f"config error: learner.lora: checkpoint {path}: {e}") from None
+    ours = served_config(model)
+    if not same_shape(theirs, ours):
+        raise ConfigError(f"config error: learner.lora: checkpoint {path} holds an adapter of rank {theirs.r}, alpha "
+                          f"{theirs.lora_alpha:g} on {sorted(theirs.target_modules)}, this learner trains rank "
+                          f"{ours.r}, alpha {ours.lora_alpha:g} on {sorted(ours.target_modules)}; set learner.lora as "
+                          "the run began, or give it another run.name")  # fmt: skip
 
 
 def cuda_rng_states(rng: dict[str, torch.Tensor]) -> list[torch.Tensor]:

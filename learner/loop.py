@@ -261,7 +261,7 @@ def load_models(cfg: Config, device: str | None = None) -> tuple[Any, Any, Any]:
     lc = cfg.learner
     if lc.lora.rank:
         config = peft_config(lc.lora.rank, lc.lora.alpha, lc.lora.dropout, lc.lora.target_modules)
-        return tokenizer, wrap(model, config), None
+        return tokenizer, wrap(model, config).eval(), None  # (peft adds its layers in training mode)
     reference = None
     if lc.beta > 0:
         reference = load_pretrained(cfg.model.path, cfg.model.dtype, device)[1].requires_grad_(False)

@@ -125,7 +125,7 @@ def _merge(version: Path, tmp: Path, base: str, dtype: str) -> str:
     """A LoRA version folded into its base, with the base's tokenizer (its chat template) and generation config."""
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from common.model import lora
     from common.weights import WeightsError
@@ -136,8 +136,10 @@ def _merge(version: Path, tmp: Path, base: str, dtype: str) -> str:
         raise ExportError(f"{version}: a LoRA adapter whose base {path!r} is not a directory here; give it with --base")
     if problem := lora.base_mismatch(lora.base_identity(path), recorded):
         raise ExportError(f"{version}: {problem}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    target = model.config.dtype if dtype == "auto" else getattr(torch, dtype)
+    own = getattr(AutoConfig.from_pretrained(path), "dtype", None)  # what the base's config.json says it is
+    target = (own if isinstance(own, torch.dtype) else getattr(torch, str(own or "float32"))) if dtype == "auto" else (
+        getattr(torch, dtype))  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # merged in float32, then cast
     adapted = lora.wrap_as(model, version)
     try:
         lora.load_adapter(adapted, load_file(str(version / lora.ADAPTER_WEIGHTS)))

@@ -58,7 +58,7 @@ class StandIn:
         port: int = 0,
         weight_version: str = "default",
         busy_s: float = 0.0,
-        lora: tuple[int, list[str], int] | None = None,
+        lora: tuple[int, list[str], int | None] | None = None,
     ):
         """``lora``: launched with --enable-lora: (max_lora_rank, lora_target_modules, max_loaded_loras)."""
         from common.model.loading import load_pretrained
@@ -414,7 +414,7 @@ def main() -> None:
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-lora-rank", type=int, default=0)
     p.add_argument("--lora-target-modules", nargs="*", default=[])
-    p.add_argument("--max-loaded-loras", type=int, default=8)
+    p.add_argument("--max-loaded-loras", type=int, default=None)  # SGLang's default: no cap
     args, _unknown = p.parse_known_args()  # like launch_server's other options, ignored
     lora = (args.max_lora_rank, args.lora_target_modules, args.max_loaded_loras) if args.enable_lora else None
     server = StandIn(args.model_path, args.host, args.port, args.weight_version, args.busy_s, lora)

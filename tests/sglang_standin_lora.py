@@ -24,7 +24,7 @@ class LoraError(Exception):
 
 
 class Adapters:
-    def __init__(self, base: Any, max_rank: int, targets: list[str], max_loaded: int):
+    def __init__(self, base: Any, max_rank: int, targets: list[str], max_loaded: int | None):
         if not max_rank or not targets:
             raise SystemExit(
                 "AssertionError: When no initial --lora-paths is provided, you need to specify both --max-lora-rank "
@@ -43,7 +43,9 @@ class Adapters:
                 "max_loaded_loras": self.max_loaded, "lora_paths": []}  # fmt: skip
 
     def _served(self, module: str) -> bool:
-        return "all" in self.targets or module in self.targets or _FUSED.get(module, "") in self.targets
+        """SGLang folds the launch list into fused layers too: [q_proj, v_proj] serves k_proj."""
+        fused = {_FUSED.get(m, m) for m in self.targets}
+        return "all" in fused or _FUSED.get(module, module) in fused
 
     def load(self, body: dict) -> tuple[int, dict]:
         name, path = body.get("lora_name"), body.get("lora_path")
@@ -67,7 +69,7 @@ class Adapters:
             )
         self.loaded[name] = self.known[name] = path
         self.models[name] = model
-        while len(self.loaded) > self.max_loaded:  # least recently used first
+        while self.max_loaded is not None and len(self.loaded) > self.max_loaded:  # least recently used first
             evicted, _ = self.loaded.popitem(last=False)
             self.models.pop(evicted, None)
         return 200, self._reply(True, "")

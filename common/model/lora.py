@@ -54,13 +54,49 @@ def wrap(model: Any, config: Any) -> Any:
     return get_peft_model(model, config)
 
 
-def wrap_as(model: Any, directory: str | os.PathLike[str]) -> Any:
-    """``model`` with an adapter shaped as the one in ``directory`` (its ``adapter_config.json``), not yet loaded."""
+def read_config(directory: str | os.PathLike[str]) -> Any:
+    """peft's LoraConfig of an adapter directory; WeightsError where it has none that peft reads (a version pruned
+    meanwhile, a file that is not one)."""
     from peft import LoraConfig
 
-    config = LoraConfig.from_pretrained(str(directory))
+    from common.weights import WeightsError
+
+    try:
+        return LoraConfig.from_pretrained(str(directory))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise WeightsError(f"{directory}: no LoRA adapter config peft reads ({type(e).__name__}: {e})") from None
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Whether two LoraConfigs make the same adapter: the same tensors and the same scale (a checkpoint or a version
+    of another rank, other layers or another alpha is another policy)."""
+
+    def key(c: Any) -> tuple:
+        modules = c.target_modules if isinstance(c.target_modules, str) else sorted(c.target_modules)
+        return c.r, float(c.lora_alpha), modules, bool(c.use_rslora), bool(c.use_dora)
+
+    return key(a) == key(b)
+
+
+def served_config(model: Any) -> Any:
+    return model.peft_config["default"]
+
+
+def wrap_as(model: Any, directory: str | os.PathLike[str], config: Any = None) -> Any:
+    """``model`` with an adapter shaped as the one in ``directory`` (its ``adapter_config.json``, or ``config``
+    read from it already), not yet loaded; in eval mode."""
+    config = config if config is not None else read_config(directory)
     config.inference_mode = True
-    return wrap(model, config)
+    return wrap(model, config).eval()
+
+
+def base_specs(model: Any) -> dict[str, Any]:
+    """The names, dtypes and shapes of a LoRA-wrapped model's base weights as a plain model has them (peft renames a
+    wrapped layer's weight ``<layer>.base_layer.weight``): what whole weights replacing the base must fit."""
+    from common.weights import specs_of
+
+    state = model.get_base_model().state_dict()
+    return {k.replace(".base_layer.", "."): v for k, v in specs_of(state).items() if ".lora_" not in k}
 
 
 def adapter_state(model: Any) -> dict[str, torch.Tensor]:
@@ -102,19 +138,18 @@ def write_adapter(
 
 def base_identity(model_path: str) -> dict[str, str]:
     """The base model an adapter belongs to: its path and the digest of its safetensors files (symlinks followed:
-    a Hugging Face cache links its files to blobs). Hashing a 135M model takes a fraction of a second; a 7B one a
-    few seconds, once per process."""
-    from common.weights import digest
+    a Hugging Face cache links its files to blobs); the digest is "" (nothing to check against) for a hub name or a
+    directory without safetensors files. Hashing a 135M model takes a fraction of a second; a 7B one a few seconds,
+    once per process."""
+    from common.weights import WeightsError, digest
 
     directory = Path(model_path).expanduser()
-    if not directory.is_dir():  # a hub name: its files in the local cache, where transformers loaded them from
-        try:
-            from huggingface_hub import snapshot_download
-
-            directory = Path(snapshot_download(str(model_path), local_files_only=True))
-        except Exception:  # (not cached, no huggingface_hub): no digest, and no check against it
-            return {"path": str(model_path), "digest": ""}
-    checked, _ = digest(directory, published=False)
+    if not directory.is_dir():  # a hub name: no files of ours to hash (a partial cache would mislead)
+        return {"path": str(model_path), "digest": ""}
+    try:
+        checked, _ = digest(directory, published=False)
+    except (WeightsError, OSError):  # no safetensors (a .bin checkpoint): no digest, and no check against it
+        return {"path": str(model_path), "digest": ""}
     return {"path": str(model_path), "digest": checked}
 
 
@@ -131,8 +166,9 @@ def read_base(directory: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def base_mismatch(own: Mapping[str, str], wanted: Mapping[str, str]) -> str | None:
-    """Why an adapter trained on ``wanted`` must not be applied to the base ``own``, or None (pure)."""
-    if not wanted.get("digest") or wanted.get("digest") == own.get("digest"):
+    """Why an adapter trained on ``wanted`` must not be applied to the base ``own``, or None (pure). Where either
+    digest is unknown (a hub name, a base without safetensors files) there is nothing to compare."""
+    if not wanted.get("digest") or not own.get("digest") or wanted.get("digest") == own.get("digest"):
         return None
     return (f"its base model {wanted.get('path', '?')!r} ({str(wanted['digest'])[:24]}…) is not this process's "
             f"{own.get('path', '?')!r} ({str(own.get('digest', ''))[:24]}…)")  # fmt: skip

@@ -7,7 +7,7 @@ torch.distributed). Import the store's names from here."""
 from __future__ import annotations
 
 from common.weights.files import UnsafeWeightsPath, WeightsError, WeightsMismatch, confined, open_regular
-from common.weights.format import TensorSpec, load_into, mismatch, specs_of, tensor_specs
+from common.weights.format import TensorSpec, check_fits, load_into, mismatch, specs_of, tensor_specs
 from common.weights.store import (
     LEASE_TOKEN_FILE,
     Published,
@@ -33,6 +33,7 @@ __all__ = [
     "UnsafeWeightsPath",
     "WeightsError",
     "WeightsMismatch",
+    "check_fits",
     "confined",
     "digest",
     "load_into",

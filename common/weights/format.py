@@ -122,9 +122,17 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None
     against the model's before any tensor is touched (``load_state_dict(strict=False)`` copies whatever fits before
     it reports missing names, and raises on a wrong shape after overwriting part of the model). Only tied
     parameters may be absent from the file."""
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    tied |= {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
-    if problem := mismatch(specs_of(model.state_dict()), specs_of(state), optional=tied):
-        raise WeightsMismatch(f"weights do not fit the model: {problem}")
+    check_fits(model, state)
     with torch.no_grad():
         model.load_state_dict(state, strict=False)
+
+
+def check_fits(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor], served: Mapping[str, TensorSpec] | None = None
+) -> None:
+    """WeightsMismatch unless ``state`` can replace ``model``'s tensors (``served``: their names, dtypes and shapes
+    where they are not the model's own state dict's, e.g. a model wrapped with LoRA layers)."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    tied |= {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    if problem := mismatch(served or specs_of(model.state_dict()), specs_of(state), optional=tied):
+        raise WeightsMismatch(f"weights do not fit the model: {problem}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from actor.sglang_engine import EngineError, SGLangEngine
-from actor.sglang_lora import ALL_LINEAR, launch_args
+from actor.sglang_lora import ALL_LINEAR, launch_args, uncovered
 from common.config import ConfigError, check_engine, load_config
 from common.grpo.logprobs import token_logprobs
 from common.model.lora import base_identity, peft_config, wrap
@@ -98,14 +98,28 @@ def test_adapter_versions_are_loaded_named_and_unloaded(tiny_model_dir: Path, tm
         standin.stop()
 
 
-def test_a_server_without_lora_is_refused_at_start_in_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
-    standin = StandIn(str(tiny_model_dir)).start()
+@pytest.mark.parametrize(
+    ("lora", "version"),
+    [(None, "default"), ((2, list(ALL_LINEAR), None), "default"), ((8, ["q_proj", "v_proj"], None), "default"),
+     ((8, ["all"], None), "7")],
+)  # fmt: skip
+def test_a_server_that_cannot_take_our_adapters_is_refused_at_start_in_one_line(
+    tiny_model_dir: Path, tmp_path: Path, lora: tuple | None, version: str
+) -> None:
+    """No LoRA, a lower rank, fewer layers than ours, or whole weights of some version instead of the base."""
+    standin = StandIn(str(tiny_model_dir), weight_version=version, lora=lora).start()
     try:
-        with pytest.raises(EngineError, match="--enable-lora --max-lora-rank 4") as e:
+        with pytest.raises(EngineError, match="restart it" if version == "7" else "--enable-lora --max-lora-rank 4"):
             engine_for(tiny_model_dir, tmp_path, standin.url)
-        assert "\n" not in str(e.value)
     finally:
         standin.stop()
+
+
+def test_layers_a_server_covers() -> None:
+    assert uncovered("all-linear", ["all"]) == []
+    assert uncovered("all-linear", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]) == []
+    assert uncovered(["k_proj"], ["q_proj", "v_proj"]) == []  # SGLang fuses q, k and v into one layer
+    assert uncovered("all-linear", ["q_proj", "v_proj"]) == ["o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def test_launch_arguments_and_the_cpu_refusal() -> None:

@@ -177,3 +177,67 @@ def test_checkpoint_holds_the_adapter_and_resumes_exactly(base, tmp_path: Path) 
     plain = Trainer(load_config(overrides=["sampling.group_size=4"], env={}), copy.deepcopy(model), pad_id=0)
     with pytest.raises(ConfigError, match=r"learner\.lora\.rank"):
         checkpoint.load(path, plain.model, plain.optimizer, plain.scheduler, plain.generator)
+
+
+def test_a_resume_with_another_alpha_is_refused(base, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    _tok, model = base
+    cfg = load_config(overrides=["sampling.group_size=4", "learner.lora.rank=4"], env={})
+    first = Trainer(cfg, lora_model(model), pad_id=0)
+    state = checkpoint.Resumable(step=1, version=1)
+    path = checkpoint.save(tmp_path, state, first.model, first.optimizer, first.scheduler, first.generator, 2,
+                           base={"path": "m", "digest": ""})  # fmt: skip
+    assert path is not None
+    other = Trainer(cfg, wrap(copy.deepcopy(model), peft_config(4, 16.0, 0.0, "all-linear")), pad_id=0)
+    with pytest.raises(ConfigError, match=r"alpha 8 .* alpha 16"):
+        checkpoint.load(path, other.model, other.optimizer, other.scheduler, other.generator, base={"digest": ""})
+
+
+def test_the_local_engine_takes_adapters_of_a_new_shape_and_whole_weights_all_or_nothing(
+    base, tiny_model_dir: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from actor.engine import LocalEngine
+    from common.weights import WeightsError, publish
+
+    tok, model = base
+    cfg = load_config(overrides=[f"model.path={tiny_model_dir}", f"run.dir={tmp_path}"], env={})
+    engine = LocalEngine(cfg, seed=0)
+    root, identity = Path(cfg.weights.dir), base_identity(str(tiny_model_dir))
+    ids = tok("7+8=").input_ids
+
+    def served() -> torch.Tensor:
+        with torch.no_grad():
+            return engine.model(input_ids=torch.tensor([ids])).logits
+
+    def expect(m) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            return m(input_ids=torch.tensor([ids])).logits
+
+    four = lora_model(model, rank=4, seed=1)
+    engine.load(publish(four, None, root, 1, keep=9, base=identity).announcement)
+    torch.testing.assert_close(served(), expect(four), rtol=0, atol=1e-5)
+    eight = lora_model(model, rank=8, seed=2)  # another rank: the engine wraps its model anew
+    engine.load(publish(eight, None, root, 2, keep=9, base=identity).announcement)
+    assert engine.version == 2
+    torch.testing.assert_close(served(), expect(eight), rtol=0, atol=1e-5)
+    # A version whose tensors are not what its own config says: refused, and the rank-8 adapter served as before.
+    bad = publish(lora_model(model, rank=2, seed=3), None, root, 3, keep=9, base=identity).announcement
+    config = json.loads((Path(bad.uri) / ADAPTER_CONFIG).read_text())
+    (Path(bad.uri) / ADAPTER_CONFIG).write_text(json.dumps({**config, "r": 16}))
+    with pytest.raises(WeightsError):
+        engine.load(bad)
+    assert engine.version == 2
+    torch.testing.assert_close(served(), expect(eight), rtol=0, atol=1e-5)
+    # Whole weights that do not fit the base: refused before the adapter goes.
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import wrong_shaped_copy
+
+    whole = publish(AutoModelForCausalLM.from_pretrained(tiny_model_dir), None, root, 4, keep=9).announcement
+    with pytest.raises(WeightsMismatch):
+        engine.load(wrong_shaped_copy(whole, root / "v000005", 5, extra=3))
+    assert engine.version == 2 and is_lora(engine.model)
+    engine.load(whole)  # whole weights replace the base and the adapter
+    assert engine.version == 4 and not is_lora(engine.model)
+    torch.testing.assert_close(served(), expect(model), rtol=0, atol=1e-6)
+    with pytest.raises(WeightsMismatch, match="restart the actor"):  # an adapter over weights that are not the base
+        engine.load(publish(four, None, root, 6, keep=9, base=identity).announcement)
