@@ -2,10 +2,10 @@
 
 Layout: ``<weights.dir>/v000012/`` holds ``config.json``, ``model.safetensors`` (or shards), tokenizer files (or,
 with ``learner.lora``, the adapter alone: ``adapter_config.json``, ``adapter_model.safetensors`` and ``base.json``,
-see common.model.lora), and ``digest`` (the digest announced in ``weights:latest``) and ``lease_token`` (the token of the learner that wrote it:
-learner.fencing). A version is written under a temporary name, synced and
-renamed into place, so a reader sees either nothing or the whole directory; the newest ``keep`` versions stay, and
-the announced one whatever its number.
+see common.model.lora), and ``digest`` (the digest announced in ``weights:latest``) and ``lease_token`` (the token
+of the learner that wrote it: learner.fencing). A version is written under a temporary name, synced and renamed into
+place, so a reader sees either nothing or the whole directory; the newest ``keep`` versions stay, and the announced
+one whatever its number.
 
 Actors read only what lies inside ``weights.dir`` (the announced ``uri`` resolved, symlinks included) and open only
 regular files: an announcement is data from Redis, not a path to trust.

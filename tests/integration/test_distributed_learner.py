@@ -125,17 +125,26 @@ def test_two_ranks_train_as_one_process_and_resume_in_one(  # type: ignore[no-un
         torch.testing.assert_close(w3[name], w1[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_micro_batches_too_small_to_split_are_refused_in_one_line(
-    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["learner.batch_groups=2"],
+         "learner.batch_groups: micro-batches of 1 completions cannot be split over 2 ranks"),
+        (["learner.batch_groups=8", "learner.lora.rank=4"],
+         "learner.lora.rank: LoRA trains in one learner process, not under torchrun (2 ranks)"),
+    ],
+)  # fmt: skip
+def test_what_cannot_run_over_ranks_is_refused_in_one_line(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, processes, extra: list[str], said: str
 ) -> None:  # type: ignore[no-untyped-def]
     log = tmp_path / "learner.log"
     settings = [
         f"redis.url={redis_url}", f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}",
-        "sampling.group_size=2", "learner.batch_groups=2", "learner.updates_per_batch=2", "learner.grad_accum=2",
+        "sampling.group_size=2", "learner.updates_per_batch=2", "learner.grad_accum=2", *extra,
     ]  # fmt: skip
     proc = processes.start([*learner_command(2), *[a for o in settings for a in ("-o", o)]], log)
     assert proc.wait(timeout=120) != 0
-    assert "learner.batch_groups: micro-batches of 1 completions cannot be split over 2 ranks" in log.read_text()
+    assert said in log.read_text()
 
 
 def test_sigterm_to_torchrun_checkpoints_the_last_step_and_loses_nothing(
