@@ -28,11 +28,10 @@ from common.model.loading import load_pretrained
 from common.model.lora import (
     adapter_state,
     base_identity,
-    base_mismatch,
     base_specs,
+    check_base,
     is_lora,
     load_adapter,
-    read_base,
     read_config,
     same_shape,
     served_config,
@@ -114,10 +113,7 @@ class LocalEngine:
                                   "of an earlier version instead of the base: restart the actor")  # fmt: skip
         if self._base is None:
             self._base = base_identity(self.cfg.model.path)
-        if not (recorded := read_base(directory)):
-            raise WeightsMismatch(f"weights v{ann.version}: a LoRA adapter without base.json (which base?)")
-        if problem := base_mismatch(self._base, recorded):
-            raise WeightsMismatch(f"weights v{ann.version}: a LoRA adapter whose {problem}")
+        check_base(self._base, directory, ann.version)
         config = read_config(directory)
         if not is_lora(self.model):
             self.model = wrap_as(self.model, directory, config)

@@ -38,7 +38,7 @@ from actor.sglang_server import LaunchedServer
 from common.config import Config
 from common.metrics import EngineEvent
 from common.model.generation import Sample
-from common.model.lora import base_identity, base_mismatch, read_base
+from common.model.lora import base_identity, check_base
 from common.schemas import WeightsAnnouncement
 from common.weights import WeightsError, WeightsMismatch, confined, mismatch, tensor_specs, verify
 from common.weights.nccl import Round
@@ -366,10 +366,7 @@ class SGLangEngine:
         nbytes = verify(ann, root=self.cfg.weights.dir)
         if self._base is None:  # (a hub name has no files here to hash: nothing to check against)
             self._base = base_identity(self.cfg.model.path)
-        if not (recorded := read_base(directory)):
-            raise WeightsMismatch(f"weights v{ann.version}: a LoRA adapter without base.json (which base?)")
-        if problem := base_mismatch(self._base, recorded):
-            raise WeightsMismatch(f"weights v{ann.version}: a LoRA adapter whose {problem}")
+        check_base(self._base, directory, ann.version)
         name = adapter_name(ann)
         reply = self.client.request("POST", "/load_lora_adapter", load_body(name, str(directory)), ok_statuses=(400,))
         if (refused := load_refusal(reply)) is not None and not already_loaded(refused):

@@ -171,19 +171,13 @@ class StandIn:
             raise disabled(lora_path)
         return self.adapters.models_for(lora_path, n_prompts)
 
-    def load_lora(self, body: dict) -> tuple[int, dict]:
+    def lora_call(self, path: str, body: dict) -> tuple[int, dict]:
+        """/load_lora_adapter and /unload_lora_adapter: refused as the real server refuses them without LoRA."""
         if self.adapters is None:
             return 400, {"success": False, "error_message": "LoRA is not enabled. Please set `--enable-lora` to "
                          "enable LoRA."}  # fmt: skip
         with self._lock:
-            return self.adapters.load(body)
-
-    def unload_lora(self, body: dict) -> tuple[int, dict]:
-        if self.adapters is None:
-            return 400, {"success": False, "error_message": "LoRA is not enabled. Please set `--enable-lora` to "
-                         "enable LoRA."}  # fmt: skip
-        with self._lock:
-            return self.adapters.unload(body)
+            return self.adapters.load(body) if path == "/load_lora_adapter" else self.adapters.unload(body)
 
     def update_weights(self, body: dict) -> tuple[int, dict]:
         from pathlib import Path
@@ -388,10 +382,8 @@ class StandIn:
                         self._reply(*standin.update_weights(body))
                     elif self.path == "/get_weights_by_name":
                         self._reply(*standin.weights_by_name(body))
-                    elif self.path == "/load_lora_adapter":
-                        self._reply(*standin.load_lora(body))
-                    elif self.path == "/unload_lora_adapter":
-                        self._reply(*standin.unload_lora(body))
+                    elif self.path in ("/load_lora_adapter", "/unload_lora_adapter"):
+                        self._reply(*standin.lora_call(self.path, body))
                     elif self.path in standin.control:
                         self._reply(*standin.control[self.path](body))
                     else:

@@ -174,6 +174,17 @@ def base_mismatch(own: Mapping[str, str], wanted: Mapping[str, str]) -> str | No
             f"{own.get('path', '?')!r} ({str(own.get('digest', ''))[:24]}…)")  # fmt: skip
 
 
+def check_base(own: Mapping[str, str], directory: str | os.PathLike[str], version: int) -> None:
+    """WeightsMismatch unless the adapter version in ``directory`` was trained on the base ``own`` (an engine's
+    own base, common.model.lora.base_identity): its ``base.json`` must say which base, and its digest agree."""
+    from common.weights import WeightsMismatch
+
+    if not (recorded := read_base(directory)):
+        raise WeightsMismatch(f"weights v{version}: a LoRA adapter without base.json (which base?)")
+    if problem := base_mismatch(own, recorded):
+        raise WeightsMismatch(f"weights v{version}: a LoRA adapter whose {problem}")
+
+
 def merged(model: Any) -> Any:
     """The base model with the adapter folded into its weights (W + B A · alpha / r), no longer a peft model."""
     return model.merge_and_unload()

@@ -5,7 +5,6 @@ on with what it had."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -15,25 +14,15 @@ import torch
 
 from common.config import RedisConfig
 from common.grpo.logprobs import token_logprobs
-from common.model.lora import base_identity, peft_config, wrap
+from common.model.lora import base_identity
 from common.procs import wait_until
 from common.schemas import decode_group
 from common.transport import Transport
 from common.weights import publish
+from tests.adapters import adapted
 from tests.integration.test_actor_process import actor_args, metric
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::UserWarning")]
-
-
-def adapted(base, seed: int):  # type: ignore[no-untyped-def]
-    """The base with an adapter whose B is random (visibly another policy)."""
-    pm = wrap(copy.deepcopy(base), peft_config(4, 8.0, 0.0, "all-linear"))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return pm.eval()
 
 
 def test_an_adapter_version_is_applied_and_stamps_the_groups(

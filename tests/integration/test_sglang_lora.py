@@ -6,7 +6,6 @@ with SGLang's own schema (its lora_path included)."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -16,23 +15,13 @@ from actor.sglang_engine import EngineError, SGLangEngine
 from actor.sglang_lora import ALL_LINEAR, launch_args, uncovered
 from common.config import ConfigError, check_engine, load_config
 from common.grpo.logprobs import token_logprobs
-from common.model.lora import base_identity, peft_config, wrap
+from common.model.lora import base_identity
 from common.weights import WeightsError, WeightsMismatch, publish
+from tests.adapters import adapted
 from tests.integration.test_sglang_engine import check_with_sglang_schema
 from tests.sglang_standin import StandIn
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::UserWarning")]
-
-
-def adapted(base, rank: int, seed: int):  # type: ignore[no-untyped-def]
-    """The base with an adapter whose B is random (peft draws A from torch's global generator)."""
-    pm = wrap(copy.deepcopy(base), peft_config(rank, 2.0 * rank, 0.0, "all-linear"))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return pm.eval()
 
 
 def engine_for(model: Path, tmp: Path, url: str) -> SGLangEngine:
@@ -89,7 +78,7 @@ def test_adapter_versions_are_loaded_named_and_unloaded(tiny_model_dir: Path, tm
             engine.load(v4)
         assert len([p for p, _ in standin.requests if p == "/load_lora_adapter"]) == loads
         # Refused by the server: a rank above its --max-lora-rank. The engine keeps version 3 and its adapter.
-        v5 = publish(adapted(base, 16, seed=5), None, root, 5, keep=5, base=identity).announcement
+        v5 = publish(adapted(base, 16, seed=5, alpha=32.0), None, root, 5, keep=5, base=identity).announcement
         with pytest.raises(WeightsError, match="incompatible with the current LoRA memory pool"):
             engine.load(v5)
         assert engine.version == 3 and engine.generate_versioned([[5, 6]], 1)[1] == 3

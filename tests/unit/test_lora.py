@@ -30,6 +30,7 @@ from common.model.lora import (
 from common.weights import WeightsMismatch
 from learner import checkpoint
 from learner.trainer import Trainer
+from tests.adapters import adapted
 from tests.unit.test_trainer import groups_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -40,17 +41,6 @@ def base(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
     from common.model.loading import load_pretrained
 
     return load_pretrained(str(tiny_model_dir), "float32", "cpu")
-
-
-def lora_model(model, rank: int = 4, targets: list[str] | str = "all-linear", seed: int = 0):  # type: ignore[no-untyped-def]
-    """The model with an adapter whose B is random (a fresh adapter's B is 0: it would compute the base exactly)."""
-    pm = wrap(copy.deepcopy(model), peft_config(rank, 8.0, 0.0, targets))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return pm.eval()
 
 
 def test_a_fresh_adapter_computes_the_base_and_trains_alone(base) -> None:  # type: ignore[no-untyped-def]
@@ -68,7 +58,7 @@ def test_a_fresh_adapter_computes_the_base_and_trains_alone(base) -> None:  # ty
 def test_lora_forward_equals_the_merged_model(base) -> None:  # type: ignore[no-untyped-def]
     tok, model = base
     ids = torch.tensor([tok("12+34=56, 7+8=").input_ids])
-    pm = lora_model(model)
+    pm = adapted(model)
     with torch.no_grad():
         lora_logits = pm(input_ids=ids).logits
         base_logits = model(input_ids=ids).logits
@@ -82,7 +72,7 @@ def test_the_adapter_switched_off_is_the_base(base) -> None:  # type: ignore[no-
     tok, model = base
     groups = groups_of(tok, model, [0, 0])
     cfg = load_config(overrides=["sampling.group_size=4", "learner.beta=0.1", "learner.lora.rank=4"], env={})
-    trainer = Trainer(cfg, lora_model(model), pad_id=0)
+    trainer = Trainer(cfg, adapted(model), pad_id=0)
     plain = Trainer(load_config(overrides=["sampling.group_size=4"], env={}), copy.deepcopy(model), pad_id=0)
     from learner.batch import assemble
 
@@ -99,7 +89,7 @@ def test_a_lora_step_moves_the_adapter_only(base) -> None:  # type: ignore[no-un
     tok, model = base
     groups = groups_of(tok, model, [0, 0, 0])
     cfg = load_config(overrides=["learner.lr=1e-2", "sampling.group_size=4", "learner.lora.rank=4"], env={})
-    pm = lora_model(model)
+    pm = adapted(model)
     before = {k: v.clone() for k, v in pm.state_dict().items()}
     trainer = Trainer(cfg, pm, pad_id=0)
     assert sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"]) == sum(
@@ -113,7 +103,7 @@ def test_a_lora_step_moves_the_adapter_only(base) -> None:  # type: ignore[no-un
 
 def test_adapter_files_round_trip_all_or_nothing(base, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     tok, model = base
-    pm = lora_model(model, seed=1)
+    pm = adapted(model, seed=1)
     identity = {"path": "m", "digest": "xxh3-128:" + "a" * 32}
     write_adapter(pm, tmp_path / "a", base=identity)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS, "base.json"])
@@ -132,7 +122,7 @@ def test_adapter_files_round_trip_all_or_nothing(base, tmp_path: Path) -> None: 
     load_adapter(ours, state)
     torch.testing.assert_close(ours(input_ids=ids).logits, pm(input_ids=ids).logits, rtol=0, atol=1e-6)
     # an adapter of another rank does not fit, and changes nothing
-    other = adapter_state(lora_model(model, rank=2))
+    other = adapter_state(adapted(model, rank=2))
     kept = {k: v.clone() for k, v in adapter_state(ours).items()}
     with pytest.raises(WeightsMismatch, match="shapes"):
         load_adapter(ours, other)
@@ -153,7 +143,7 @@ def test_checkpoint_holds_the_adapter_and_resumes_exactly(base, tmp_path: Path) 
     groups = groups_of(tok, model, [0, 0])
     cfg = load_config(overrides=["learner.lr=1e-2", "sampling.group_size=4", "learner.lora.rank=4"], env={})
     identity = {"path": "m", "digest": "xxh3-128:" + "b" * 32}
-    first = Trainer(cfg, lora_model(model), pad_id=0)
+    first = Trainer(cfg, adapted(model), pad_id=0)
     first.step(groups, version=0)
     state = checkpoint.Resumable(step=1, version=1)
     path = checkpoint.save(tmp_path, state, first.model, first.optimizer, first.scheduler, first.generator, 2,
@@ -182,7 +172,7 @@ def test_checkpoint_holds_the_adapter_and_resumes_exactly(base, tmp_path: Path) 
 def test_a_resume_with_another_alpha_is_refused(base, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     _tok, model = base
     cfg = load_config(overrides=["sampling.group_size=4", "learner.lora.rank=4"], env={})
-    first = Trainer(cfg, lora_model(model), pad_id=0)
+    first = Trainer(cfg, adapted(model), pad_id=0)
     state = checkpoint.Resumable(step=1, version=1)
     path = checkpoint.save(tmp_path, state, first.model, first.optimizer, first.scheduler, first.generator, 2,
                            base={"path": "m", "digest": ""})  # fmt: skip
@@ -212,15 +202,15 @@ def test_the_local_engine_takes_adapters_of_a_new_shape_and_whole_weights_all_or
         with torch.no_grad():
             return m(input_ids=torch.tensor([ids])).logits
 
-    four = lora_model(model, rank=4, seed=1)
+    four = adapted(model, rank=4, seed=1)
     engine.load(publish(four, None, root, 1, keep=9, base=identity).announcement)
     torch.testing.assert_close(served(), expect(four), rtol=0, atol=1e-5)
-    eight = lora_model(model, rank=8, seed=2)  # another rank: the engine wraps its model anew
+    eight = adapted(model, rank=8, seed=2)  # another rank: the engine wraps its model anew
     engine.load(publish(eight, None, root, 2, keep=9, base=identity).announcement)
     assert engine.version == 2
     torch.testing.assert_close(served(), expect(eight), rtol=0, atol=1e-5)
     # A version whose tensors are not what its own config says: refused, and the rank-8 adapter served as before.
-    bad = publish(lora_model(model, rank=2, seed=3), None, root, 3, keep=9, base=identity).announcement
+    bad = publish(adapted(model, rank=2, seed=3), None, root, 3, keep=9, base=identity).announcement
     config = json.loads((Path(bad.uri) / ADAPTER_CONFIG).read_text())
     (Path(bad.uri) / ADAPTER_CONFIG).write_text(json.dumps({**config, "r": 16}))
     with pytest.raises(WeightsError):
