@@ -28,8 +28,9 @@ class LoraConfig(Section):
     rank: int = Field(
         0,
         ge=0,
-        description="the adapter's rank r; 0 = off, every weight is trained and published (one learner process: "
-        "refused under torchrun)",
+        description="the adapter's rank r; 0 = off, every weight is trained and published. One learner process "
+        "(refused under torchrun); with actor.engine sglang the servers must run on GPUs (SGLang's LoRA layers need "
+        "CUDA: a CPU server is refused), the local engine serves adapters anywhere",
     )
     alpha: float = Field(32.0, gt=0, description="peft's lora_alpha: the update is scaled by alpha / rank")
     dropout: float = Field(
