@@ -213,7 +213,7 @@ class SGLangEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = _stop_ids(cfg.model.path, self.tokenizer)
         self.version = 0
-        self.adapter: str | None = None  # learner.lora: the loaded adapter every request names
+        self.adapter = None
         self._base: dict[str, str] | None = None  # model.path's identity, read at the first LoRA version
         self.on_event = on_event  # engine incidents survived, by kind (grpo_actor_engine_events_total)
         self._said_flush = False
@@ -285,6 +285,7 @@ class SGLangEngine:
 
     # The server batches concurrent requests (continuous batching): an actor keeps sglang.rounds_in_flight going.
     batches_concurrent_requests = True
+    adapter: str | None = None  # learner.lora: the loaded adapter every request names (none: the served weights)
 
     def failed(self) -> str | None:
         """Why the server this engine launched is gone, or None: asked while the actor waits (for room, say), so that

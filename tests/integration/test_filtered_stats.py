@@ -69,7 +69,8 @@ def test_an_actor_computes_the_overlong_penalty_once_filters_on_it_and_sends_it(
     t = Transport(RedisConfig(url=redis_url), "it")
     args = sim_actor(tiny_model_dir, tmp_path, redis_url, "actor.filter_zero_std=true",
                      "actor.max_consecutive_filtered=1000", "sampling.max_new_tokens=8", "sampling.group_size=2",
-                     "shaping.overlong_cache=4", "shaping.overlong_factor=0.5")  # fmt: skip
+                     "shaping.overlong_cache=4", "shaping.overlong_factor=0.5",
+                     "run.log_level=DEBUG")  # fmt: skip  # (once, in a fresh clone, it sent nothing in 120 s: say why)
     processes.grpo(*args, log=tmp_path / "actor.log")
     assert wait_until(lambda: t.stream_length() >= 4 and t.stats().get("groups_filtered:zero_std", 0) >= 2, 120), (
         tmp_path / "actor.log"
