@@ -168,10 +168,7 @@ class LocalEngine:
                 self._group = None
                 raise WeightsError(f"a bucket of weights v{rnd.version} did not arrive: {e}") from None
             state |= unflatten(flat, b)
-        if is_lora(self.model):  # (learner.lora sends adapters by disk: whole weights replace the base)
-            self.model = self.model.unload()
-        load_into(self.model, state)
-        self.base_intact = False
+        self._replace_base(state)  # (learner.lora sends adapters by disk: over NCCL come whole weights only)
         self.version = rnd.version
         return sum(b.nbytes for b in rnd.buckets)
 

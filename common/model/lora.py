@@ -128,8 +128,7 @@ def write_adapter(
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    config = model.peft_config["default"]
-    config.save_pretrained(str(directory))
+    served_config(model).save_pretrained(str(directory))
     tensors = {k: v.detach().contiguous().cpu() for k, v in (state or adapter_state(model)).items()}
     save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     if base is not None:
