@@ -13,17 +13,19 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from actor.engine_protocol import Engine
+from actor.engine_protocol import BetweenRounds, Engine, Updates
+from actor.recompute import generate_recomputing
 from common.config import Config
 from common.cores import core_borrower
 from common.hardware import describe_device, resolve_bf16
-from common.model.generation import Sample, generate, pad_token_id, stop_token_ids
+from common.model.generation import Sample, generate, pad_token_id, stop_token_ids, version_runs
 from common.model.loading import load_pretrained
 from common.model.lora import (
     adapter_state,
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 
 class LocalEngine:
     nccl_ranks = 1  # weights.transport nccl: this process joins the update group itself
+    # actor.weight_updates in_flight: asked between two decode steps whether to load a new version (set by the actor)
+    updates: Updates | None = None
 
     def __init__(self, cfg: Config, seed: int):
         self.cfg = cfg
@@ -57,6 +61,7 @@ class LocalEngine:
         self.base_intact = True  # the weights are model.path's: a LoRA version may be applied over them
         self._base: dict[str, str] | None = None  # model.path's identity, read at the first LoRA version
         self._group: tuple[str, Any] | None = None
+        self._generating = False  # a round is being sampled: loads must keep the model object (in-place copies)
         self.device = next(self.model.parameters()).device
         self.bf16 = resolve_bf16(cfg.actor.autocast, self.device.type)
         if cfg.actor.autocast == "auto":
@@ -68,19 +73,50 @@ class LocalEngine:
         torch.manual_seed(seed)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
-        s = self.cfg.sampling
+        """With in-flight updates (``self.updates``), each sample says which version produced which tokens: a version
+        due mid-round is loaded between two decode steps, the cached keys and values kept (``actor.in_flight_kv``
+        keep) or recomputed by a prefill of the unfinished answers (recompute, actor.recompute)."""
+        updates, limit = (None if greedy else self.updates), self.cfg.sampling.max_new_tokens
+        if updates is None:
+            return self._generate(prompts, n, limit, greedy=greedy)
+        if self.cfg.actor.in_flight_kv == "recompute":
+            return generate_recomputing(lambda p, k, most, ask: self._generate(p, k, most, interrupt=ask),
+                                        prompts, n, limit, updates)  # fmt: skip
+        return self._generate(prompts, n, limit, between_steps=lambda: _load_if_due(updates))
+
+    def _generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        max_new_tokens: int,
+        *,
+        greedy: bool = False,
+        between_steps: Callable[[], object] | None = None,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> list[list[Sample]]:
+        """``between_steps`` runs after each step's log-probs are recorded, before the next forward (a load there
+        changes the weights of the next token on); either hook makes the samples carry their tokens' versions."""
+        cores = self.cores.adjust if self.cores is not None else None
+        hooks = [h for h in (cores, between_steps) if h is not None]
+        versioned = between_steps is not None or interrupt is not None
+        self._generating = between_steps is not None
         # actor.autocast: the forward passes in bfloat16 where it is native; the log-probs come out in float32.
         with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            return generate(
-                self.model,
-                prompts,
-                n=n,
-                max_new_tokens=s.max_new_tokens,
-                stop_ids=self.stop_ids,
-                pad_id=self.pad_id,
-                temperature=None if greedy else s.temperature,
-                each_step=self.cores.adjust if self.cores is not None else None,
-            )
+            try:
+                return generate(
+                    self.model,
+                    prompts,
+                    n=n,
+                    max_new_tokens=max_new_tokens,
+                    stop_ids=self.stop_ids,
+                    pad_id=self.pad_id,
+                    temperature=None if greedy else self.cfg.sampling.temperature,
+                    each_step=(lambda: [h() for h in hooks]) if hooks else None,
+                    version=(lambda: self.version) if versioned else None,
+                    interrupt=interrupt,
+                )
+            finally:
+                self._generating = False
 
     def load(self, ann: WeightsAnnouncement) -> int:
         """All or nothing: a version that is unreadable, outside ``weights.dir`` or does not fit the model raises
@@ -99,6 +135,7 @@ class LocalEngine:
         the base (all or nothing either way)."""
         if is_lora(self.model):
             check_fits(self.model.get_base_model(), state, base_specs(self.model))
+            self._whole_model_between_rounds()
             self.model = self.model.unload()
         load_into(self.model, state)
         self.base_intact = False
@@ -116,11 +153,19 @@ class LocalEngine:
         check_base(self._base, directory, ann.version)
         config = read_config(directory)
         if not is_lora(self.model):
+            self._whole_model_between_rounds()
             self.model = wrap_as(self.model, directory, config)
         elif not same_shape(served_config(self.model), config):
+            self._whole_model_between_rounds()
             self._reshape(directory, config, state)  # another rank, other layers or another alpha
             return
         load_adapter(self.model, state)
+
+    def _whole_model_between_rounds(self) -> None:
+        """Mid-round (in-flight updates), a load may only copy tensors into the model being sampled: one that wraps
+        or unwraps it in adapter layers waits for the round's end."""
+        if self._generating:
+            raise BetweenRounds("a load that replaces the model object waits for the round's end")
 
     def _reshape(self, directory: Path, config: Any, state: dict[str, torch.Tensor]) -> None:
         """An adapter of another shape or scale than the one served (a run resumed with other settings): the model
@@ -177,12 +222,25 @@ class LocalEngine:
             self.leave_group(self._group[0])
 
 
+def _load_if_due(updates: Updates) -> None:
+    if updates.due():
+        updates.load()
+
+
 class SimEngine:
     """Uniformly random completions, produced no faster than ``actor.sim_tokens_per_s``: a load generator.
 
     Each completion has a random length up to ``sampling.max_new_tokens`` and ends with end-of-sequence when shorter;
     its log-probs are exact for uniform sampling (-log V per token). Weights are loaded and verified as a real
-    engine would (same I/O, same digest check) and then discarded; only the tokenizer is loaded."""
+    engine would (same I/O, same digest check) and then discarded; only the tokenizer is loaded.
+
+    With in-flight updates (``updates``) a round's rows are paced as a batched decoder's: step j takes as long as the
+    rows still going make tokens, a version due meanwhile is loaded between two steps (asked every 20 ms), and each
+    token carries the version held when its step ended. ``in_flight_kv`` makes no difference here: no keys or values
+    are cached."""
+
+    updates: Updates | None = None
+    _SLICE_S = 0.02  # in-flight pacing: how often a round checks for a version to load
 
     def __init__(self, cfg: Config, seed: int):
         from transformers import AutoTokenizer
@@ -198,7 +256,8 @@ class SimEngine:
         t0 = time.perf_counter()  # random either way: greedy means nothing without a model
         limit = self.cfg.sampling.max_new_tokens
         logp = -math.log(self.vocab)
-        groups, tokens = [], 0
+        groups: list[list[Sample]] = []
+        tokens = 0
         for _ in prompts:
             group = []
             for length in self.rng.integers(1, limit + 1, size=n):
@@ -211,8 +270,29 @@ class SimEngine:
                 group.append(Sample(ids, [logp] * len(ids), "stop" if stopped else "length"))
                 tokens += len(ids)
             groups.append(group)
+        if self.updates is not None and not greedy:
+            return self._paced_in_flight(groups, t0, self.updates)
         time.sleep(max(0.0, tokens / self.cfg.actor.sim_tokens_per_s - (time.perf_counter() - t0)))
         return groups
+
+    def _paced_in_flight(self, groups: list[list[Sample]], t0: float, updates: Updates) -> list[list[Sample]]:
+        lengths = np.array([len(s.token_ids) for g in groups for s in g])
+        steps = int(lengths.max())
+        # The time each decode step ends: step j makes one token for every row longer than j.
+        going = np.bincount(lengths, minlength=steps + 1)[::-1].cumsum()[::-1][1:]  # rows longer than j, j < steps
+        ends = t0 + np.cumsum(going) / self.cfg.actor.sim_tokens_per_s
+        versions = np.zeros(steps, dtype=np.int64)
+        done = 0
+        while done < steps:
+            now = time.perf_counter()
+            reached = int(np.searchsorted(ends, now, side="right"))
+            versions[done:reached] = self.version
+            done = max(done, reached)
+            if done < steps:
+                if updates.due():
+                    updates.load()
+                time.sleep(max(0.0, min(self._SLICE_S, float(ends[done]) - time.perf_counter())))
+        return [[replace(s, versions=version_runs(versions[: len(s.token_ids)].tolist())) for s in g] for g in groups]
 
     def load(self, ann: WeightsAnnouncement) -> int:
         _, nbytes = load_state_dict(ann, root=self.cfg.weights.dir)

@@ -16,6 +16,12 @@ class EngineError(RuntimeError):
     """The engine's server is unreachable or answered something the actor cannot use."""
 
 
+class BetweenRounds(Exception):
+    """Raised by an engine's ``load`` called mid-round for a version it can take only between rounds (one that
+    replaces the model object, such as the first LoRA adapter): nothing was loaded, and the actor loads it before
+    its next round instead, without counting a failure."""
+
+
 class Engine(Protocol):
     version: int
     tokenizer: Any
@@ -30,4 +36,20 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release what the engine started (a server it launched)."""
+        ...
+
+
+class Updates(Protocol):
+    """``actor.weight_updates: in_flight``: what an engine asks while a round is being sampled (the actor's side,
+    actor.updates). Called from the thread that samples (the local and sim engines) or that waits for the samples
+    (SGLang's rounds), never from two at once."""
+
+    def due(self) -> bool:
+        """A newer version than the engine holds is announced and may be loaded now (cheap: asked at every decode
+        step, it reads Redis only when woken or now and then)."""
+        ...
+
+    def load(self) -> None:
+        """Load the announced version now (the engine's version changes, or stays where the load was refused: then
+        it is not due again within this round)."""
         ...

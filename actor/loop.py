@@ -13,16 +13,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 
-from actor.engine_protocol import Engine, EngineError
+from actor.engine_protocol import BetweenRounds, Engine, EngineError
 from actor.filter import Decision, ZeroStdFilter, filtered_stats, overlong_penalties, shaped
 from actor.inflight import InFlight, Round, rounds_in_flight
 from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
 from actor.prompts import PromptSource
+from actor.updates import Backoff, in_flight_updates
 from common.config import Config
 from common.metrics import ActorMetrics
 from common.model.generation import Sample
@@ -45,29 +45,6 @@ from grader.pool import GraderPool
 log = logging.getLogger("actor")
 _FILTERED_ZERO_STD = counter("filtered", "zero_std")  # the stats field of the groups the zero-std filter keeps back
 _DISCARDED_OVERSIZED = counter("discarded", "oversized")  # groups over redis.max_message_bytes, never sent
-
-
-@dataclass
-class Backoff:
-    """A failed load of one announcement is tried again at the next round (a refusal may be passing), then after
-    ``first``, 2 × ``first`` … up to ``most`` seconds, not every round; another announcement (a newer version) is
-    tried at once. Pure: the caller passes the clock."""
-
-    first: float = 1.0
-    most: float = 60.0
-    key: Any = None
-    attempts: int = 0
-    until: float = 0.0
-
-    def waiting(self, key: Any, now: float) -> bool:
-        return key == self.key and now < self.until
-
-    def failed(self, key: Any, now: float) -> float:
-        """Record a failure of ``key`` at ``now``; returns the seconds until it may be tried again."""
-        self.attempts = self.attempts + 1 if key == self.key else 1
-        delay = 0.0 if self.attempts == 1 else min(self.most, self.first * 2 ** (self.attempts - 2))
-        self.key, self.until = key, now + delay
-        return delay
 
 
 class Actor:
@@ -100,8 +77,9 @@ class Actor:
         self.groups_sent = 0
         self.rounds = 0
         self.version_sampled = engine.version  # the policy version of the round being graded and sent
-        self.epoch_sampled: int | None = None  # and its lineage epoch, when its announcement was seen
         self.in_flight = InFlight(actor_id, engine, rounds_in_flight(cfg, engine))
+        # actor.weight_updates in_flight: versions loaded while rounds are sampled (actor.updates)
+        self.updates = in_flight_updates(cfg, engine, self._newer, self._load, lambda: bool(self._pubsub.get_message()))
         self._epochs: dict[int, int] = {}  # version -> epoch, from the announcements this actor read
         self._prompt_ids: dict[str, list[int]] = {}
         self._malformed_seen: set[str] = set()  # reasons already said for malformed announcements
@@ -155,13 +133,24 @@ class Actor:
     # -- steps --------------------------------------------------------------------------------------------------
 
     def reload_weights(self) -> None:
-        """Load the announced version if it differs from ours (between rounds, never mid-generation)."""
+        """Load the announced version if it differs from ours, between rounds (with in-flight updates, the rounds
+        of an engine that keeps several going are paused for it, see actor.sglang_engine; else they finish first)."""
+        ann = self._newer()
+        if ann is None:
+            return
+        if self.updates is None:
+            self.in_flight.settle(self.heartbeat)  # no request of ours between the update and its cache flush
+        self._load(ann)
+
+    def _newer(self) -> WeightsAnnouncement | None:
+        """The announced version when it should be loaded now: it differs from ours, its weights are on disk, and a
+        failed load of it is not waiting out its backoff."""
         while self._pubsub.get_message() is not None:  # announcements only wake us; the hash is the truth
             pass
         ann = self.announced()
         self._remember_epoch(ann)
         if ann is None or ann.version == self.engine.version:
-            return
+            return None
         if ann.format == "nccl":  # sent to the members of the update group only; the others wait for a disk version
             if self.receiver is None and not self._warned_nccl:
                 self._warned_nccl = True
@@ -170,25 +159,32 @@ class Actor:
                     "that way: it loads the versions written to disk (weights.disk_every; warned once)",
                     ann.version,
                 )
-            return
+            return None
+        if self._load_backoff.waiting((ann.version, ann.uri, ann.digest), time.monotonic()):
+            return None
+        return ann
+
+    def _load(self, ann: WeightsAnnouncement) -> bool:
+        """Load ``ann`` into the engine; False when it kept its weights (refused: counted, backed off; or a version
+        it takes only between rounds, asked for mid-round)."""
         key = (ann.version, ann.uri, ann.digest)
-        if self._load_backoff.waiting(key, time.monotonic()):
-            return
-        self.in_flight.settle(self.heartbeat)  # no request of ours between the update and its cache flush
         t0 = time.perf_counter()
         try:
             nbytes = self.engine.load(ann)
+        except BetweenRounds:
+            return False
         except WeightsError as e:  # the engine kept its weights and version (e.g. pruned meanwhile, or not ours)
             self.metrics.weight_load_failures.labels(e.reason).inc()
             delay = self._load_backoff.failed(key, time.monotonic())
             log.warning("could not load weights v%d (attempt %d): %s; sampling on with v%d, trying it again %s "
                         "unless a newer version is announced", ann.version, self._load_backoff.attempts, e,
                         self.engine.version, f"in {delay:.0f}s" if delay else "next round")  # fmt: skip
-            return
+            return False
         seconds = time.perf_counter() - t0
         self.metrics.weight_load_seconds.labels("disk").observe(seconds)
         self.metrics.policy_version.set(ann.version)
         log.debug("loaded weights v%d (%.1f MB) in %.3fs", ann.version, nbytes / 1e6, seconds)
+        return True
 
     def _remember_epoch(self, ann: WeightsAnnouncement | None) -> None:
         """Which epoch announced each version (whatever path its weights take, NCCL or disk): groups carry the
@@ -240,7 +236,14 @@ class Actor:
             self.in_flight.start(holder, problems, prompts, self.cfg.sampling.group_size)
         if not self.in_flight.pending:
             return None
-        return self.sampled(self.in_flight.finish_oldest(self.heartbeat))
+        return self.sampled(self.in_flight.finish_oldest(self._while_sampling))
+
+    def _while_sampling(self) -> None:
+        """Called every 0.2 s while the actor waits for a round: heartbeats, and with in-flight updates on an engine
+        that samples in other threads (SGLang's rounds), a new version loaded as soon as it is announced."""
+        self.heartbeat()
+        if self.updates is not None and not hasattr(self.engine, "updates") and self.updates.due():
+            self.updates.load()
 
     def _send_rounds_in_flight(self) -> None:
         """Asked to stop: the rounds already generating are finished and sent (each within
@@ -328,9 +331,11 @@ class Actor:
         return ids
 
     def sampled(self, rnd: Round) -> Round:
-        """A generated round, counted; its version (the reply's, see actor.inflight) stamps its groups."""
+        """A generated round, counted; its version (the reply's, see actor.inflight) stamps its groups, unless
+        their tokens say which versions produced them (in-flight updates: then the newest)."""
         self.version_sampled = rnd.version
-        self.epoch_sampled = self._epochs.get(self.version_sampled)
+        if self.updates is not None:
+            self.updates.new_round()
         self.metrics.generation_seconds.observe(time.perf_counter() - rnd.started)
         groups = rnd.samples
         self.metrics.completions.inc(sum(len(g) for g in groups))
@@ -435,9 +440,11 @@ class Actor:
         penalties: np.ndarray | None,
         forwarded: bool,
     ) -> GroupMessage:
+        # In-flight updates: the newest version of any token is the group's (admission goes by it).
+        version = max((s.versions[-1][0] for s in samples if s.versions), default=self.version_sampled)
         return GroupMessage(
             prompt_id=problem.id,
-            policy_version=self.version_sampled,
+            policy_version=version,
             actor_id=self.id,
             prompt_ids=np.asarray(self._encode_prompt(problem), dtype=np.int32),
             completions=tuple(
@@ -446,12 +453,13 @@ class Actor:
                     np.asarray(s.logprobs, dtype=np.float32),
                     float(reward),
                     s.finish_reason,  # type: ignore[arg-type]
+                    np.asarray(s.versions, dtype=np.int32) if s.versions else None,
                 )
                 for s, reward in zip(samples, rewards, strict=True)
             ),
             zero_std=forwarded,
             penalties=penalties,
-            epoch=self.epoch_sampled,
+            epoch=self._epochs.get(version),
         )
 
     def _warn_forward_once(self) -> None:

@@ -14,6 +14,12 @@
 - learner.lora: each version's adapter through ``/load_lora_adapter`` and named by every ``/generate`` request
   (``lora_path``), the one before unloaded (actor.sglang_lora); the server must have been started with LoRA on
   (checked at start through ``/server_info``), which SGLang does on GPUs only.
+- actor.weight_updates in_flight: a version is loaded while requests are generating, between
+  ``/pause_generation`` (``in_place`` or ``retract``, from actor.in_flight_kv) and ``/continue_generation``, and each
+  sample says which version produced which of its tokens (``meta_info.weight_versions``). Retracted requests leave
+  the server idle, so the update flushes the prefix cache as usual; requests paused in place keep their cache, which
+  therefore cannot be flushed: instead every request names its version as its prefix-cache namespace
+  (``cache_salt``), so that no entry computed with old weights serves a request sent after the update.
 - ``GET /health`` for readiness. Requests are retried a bounded number of times on connection errors and 5xx, except
   when the server this actor launched has died: that is said at once.
 
@@ -23,16 +29,20 @@ dies with the actor. Building requests and reading replies are pure functions, t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from actor.engine_protocol import EngineError
+from actor.sglang_api import PAUSE_MODES, generate_request, loaded_but_not_flushed, parse_samples, version_number
 from actor.sglang_lora import adapter_name, already_loaded, launch_args, load_body, load_refusal, uncovered
 from actor.sglang_server import LaunchedServer
 from common.config import Config
@@ -44,84 +54,6 @@ from common.weights import WeightsError, WeightsMismatch, confined, mismatch, te
 from common.weights.nccl import Round
 
 log = logging.getLogger(__name__)
-
-
-# -- pure: requests and replies ---------------------------------------------------------------------------------
-
-
-def generate_request(
-    prompts: Sequence[Sequence[int]],
-    n: int,
-    *,
-    temperature: float,
-    max_new_tokens: int,
-    stop_token_ids: Iterable[int],
-    mode: str,
-    lora: str | None = None,
-) -> dict[str, Any]:
-    """One /generate body for ``n`` samples of each prompt. ``mode`` "n": one entry per prompt with
-    ``sampling_params.n``; "separate": each prompt repeated ``n`` times. Either way the reply is prompt-major.
-    ``lora``: the name of a loaded adapter every prompt is sampled with (actor.sglang_lora)."""
-    params: dict[str, Any] = {
-        "temperature": temperature,
-        "top_p": 1.0,
-        "top_k": -1,
-        "max_new_tokens": max_new_tokens,
-        "stop_token_ids": sorted(stop_token_ids),
-        "skip_special_tokens": False,
-        "no_stop_trim": True,  # the stop token stays in output_ids: the policy is trained to emit it
-    }
-    if mode == "n":
-        ids = [list(p) for p in prompts]
-        params["n"] = n
-    elif mode == "separate":
-        ids = [list(p) for p in prompts for _ in range(n)]
-    else:
-        raise ValueError(f"unknown request mode {mode!r}")
-    body = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
-    return body | ({"lora_path": lora} if lora is not None else {})
-
-
-def parse_samples(reply: Any, n_prompts: int, n: int) -> tuple[list[list[Sample]], str | None]:
-    """The reply of :func:`generate_request` as ``n`` samples per prompt, and the ``weight_version`` every completion
-    was generated with (None when the server reports none). Raises :class:`EngineError` when it has the wrong shape,
-    a request was aborted, or completions of one reply were generated with different weight versions."""
-    items = reply if isinstance(reply, list) else [reply]
-    if len(items) != n_prompts * n:
-        raise EngineError(f"/generate returned {len(items)} completions for {n_prompts} prompts x {n}")
-    groups: list[list[Sample]] = []
-    versions: set[str] = set()
-    for i, item in enumerate(items):
-        try:
-            ids = [int(t) for t in item["output_ids"]]
-            meta = item["meta_info"]
-            logprobs = [float(lp[0]) for lp in meta["output_token_logprobs"]]
-            finish = meta["finish_reason"] or {}
-            kind = finish.get("type")
-            served = meta.get("weight_version")
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise EngineError(f"/generate reply {i} is malformed: {e!r}") from None
-        if kind == "abort":
-            raise EngineError(f"/generate aborted a request: {finish.get('message', '')}")
-        if kind not in ("stop", "length"):
-            raise EngineError(f"/generate reply {i}: unknown finish_reason {finish!r}")
-        if len(logprobs) != len(ids):
-            raise EngineError(f"/generate reply {i}: {len(ids)} output ids but {len(logprobs)} log-probs")
-        if served is not None:
-            versions.add(str(served))
-        if i % n == 0:
-            groups.append([])
-        groups[-1].append(Sample(ids, logprobs, kind))
-    if len(versions) > 1:
-        raise EngineError(f"/generate mixed weight versions {sorted(versions)} in one reply: another client is "
-                          "updating the server's weights")  # fmt: skip
-    return groups, next(iter(versions), None)
-
-
-def loaded_but_not_flushed(message: str) -> bool:
-    """A real server's answer (HTTP 400) to a weights update whose cache flush found requests still running: the
-    weights are swapped, only the prefix cache is not flushed yet (SGLang 0.5.23, weight_updater.py)."""
-    return "Weights were updated, but the cache was not flushed" in message
 
 
 # -- the client -------------------------------------------------------------------------------------------------
@@ -216,6 +148,10 @@ class SGLangEngine:
         self.adapter = None
         self._base: dict[str, str] | None = None  # model.path's identity, read at the first LoRA version
         self.on_event = on_event  # engine incidents survived, by kind (grpo_actor_engine_events_total)
+        # actor.weight_updates in_flight: versions loaded while requests generate (paused, updated, continued)
+        self.pause_mode = PAUSE_MODES[cfg.actor.in_flight_kv] if cfg.actor.weight_updates == "in_flight" else None
+        self._adapter_users: Counter[str] = Counter()  # requests generating with each adapter
+        self._adapters_lock = threading.Lock()
         self._said_flush = False
         # A real server's scheduler dies on a checkpoint whose shapes differ from its model's (an assertion in its
         # weight loader, then SGLang kills itself): new versions are checked against the served model's first
@@ -301,12 +237,25 @@ class SGLangEngine:
         """The completions and the policy version the server generated them with (None where it reports none).
         Safe to call from several threads at once: each call is its own HTTP request."""
         s = self.cfg.sampling
-        adapter, version = self.adapter, self.version  # the request names the adapter: its version, whole answers
+        with self._adapters_lock:
+            adapter, version = self.adapter, self.version  # the request names the adapter: its version, whole answers
+            if adapter is not None:
+                self._adapter_users[adapter] += 1
+        # Requests paused in place keep their cache: a namespace per version keeps it from serving later requests.
+        salt = f"v{version}" if self.pause_mode == "in_place" and adapter is None else None
         body = generate_request(
             prompts, n, temperature=0.0 if greedy else s.temperature, max_new_tokens=s.max_new_tokens,
-            stop_token_ids=self.stop_ids, mode=self.cfg.sglang.requests, lora=adapter,
+            stop_token_ids=self.stop_ids, mode=self.cfg.sglang.requests, lora=adapter, cache_salt=salt,
         )  # fmt: skip
-        groups, served = parse_samples(self.client.request("POST", "/generate", body), len(prompts), n)
+        try:
+            reply = self.client.request("POST", "/generate", body)
+        finally:
+            if adapter is not None:
+                self._done_with(adapter)
+        mixed = self.pause_mode is not None and adapter is None
+        groups, served = parse_samples(reply, len(prompts), n, mixed=mixed)
+        if mixed:  # the versions are ours, loaded by this engine: the samples say which produced what
+            return groups, version_number(served) if served is not None else None
         if adapter is not None:  # the reply's weight_version is the base's, which adapters do not change
             if served is not None and served != self.served:
                 raise EngineError(f"the SGLang server's base weights changed to {served!r} under the LoRA adapters "
@@ -316,7 +265,7 @@ class SGLangEngine:
             return groups, None
         if served != self.served:
             self._adopt_served_version(served)
-        return groups, int(served) if served.isdigit() else 0  # "default": the model it was started with, v0
+        return groups, version_number(served)
 
     def _adopt_served_version(self, served: str) -> None:
         """/generate says the server holds another version than /model_info said: a server whose weights were loaded
@@ -343,8 +292,31 @@ class SGLangEngine:
                                   "SGLang server, which would die loading them")  # fmt: skip
         version = str(ann.version)
         # The resolved directory, not the announced name: the server reads what was checked.
+        # Requests paused in place keep their cache, which cannot be flushed: their versions' namespaces stand in.
         body = {"model_path": str(directory), "weight_version": version, "abort_all_requests": False,
-                "flush_cache": True}  # fmt: skip
+                "flush_cache": self.pause_mode != "in_place"}  # fmt: skip
+        with self._paused():
+            self._update_from_disk(ann, body)
+        self.version = ann.version
+        self.served = version
+        self._drop_adapter()  # whole weights replace the base; requests name no adapter from now on
+        return nbytes
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """In-flight updates: generation paused (in place or its requests retracted) for the update, and continued
+        whatever became of it; requests sent meanwhile wait in the server."""
+        if self.pause_mode is None:
+            yield
+            return
+        self.client.request("POST", "/pause_generation", {"mode": self.pause_mode})
+        try:
+            yield
+        finally:
+            self.client.request("POST", "/continue_generation", {})
+
+    def _update_from_disk(self, ann: WeightsAnnouncement, body: dict[str, Any]) -> None:
+        version = body["weight_version"]
         reply = self.client.request("POST", "/update_weights_from_disk", body, ok_statuses=(400,))
         message = str(reply.get("message", "")) if isinstance(reply, dict) else str(reply)
         if not (isinstance(reply, dict) and reply.get("success")):
@@ -353,15 +325,11 @@ class SGLangEngine:
             self._flush(ann.version)
             # That 400 left /model_info at the old version (the scheduler and /generate have the new one).
             self.client.request("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
-        self.version = ann.version
-        self.served = version
-        self._drop_adapter()  # whole weights replace the base; requests name no adapter from now on
-        return nbytes
 
     def _load_adapter(self, ann: WeightsAnnouncement) -> int:
         """A LoRA version: verified (its digest, and its base against the model this engine serves), loaded under
         a name of its own through ``/load_lora_adapter``, then named by every request; the adapter before it is
-        unloaded (no request uses it: the actor loads between rounds). Refused before the server sees it, or by
+        unloaded once no request names it (at once between rounds). Refused before the server sees it, or by
         the server: WeightsError, and the engine samples on with what it had."""
         directory = confined(ann.uri, self.cfg.weights.dir)
         nbytes = verify(ann, root=self.cfg.weights.dir)
@@ -372,15 +340,36 @@ class SGLangEngine:
         reply = self.client.request("POST", "/load_lora_adapter", load_body(name, str(directory)), ok_statuses=(400,))
         if (refused := load_refusal(reply)) is not None and not already_loaded(refused):
             raise WeightsError(f"weights v{ann.version}: the SGLang server refused the LoRA adapter: {refused}")
-        previous, self.adapter, self.version = self.adapter, name, ann.version
+        with self._adapters_lock:
+            previous, self.adapter, self.version = self.adapter, name, ann.version
         if previous is not None and previous != name:
-            self._unload(previous)
+            self._retire(previous)
         return nbytes
 
     def _drop_adapter(self) -> None:
-        if self.adapter is not None:
-            self._unload(self.adapter)
-            self.adapter = None
+        if self.adapter is None:
+            return
+        with self._adapters_lock:
+            previous, self.adapter = self.adapter, None
+        if previous is not None:
+            self._retire(previous)
+
+    def _retire(self, name: str) -> None:
+        """An adapter no new request names: unloaded now, or (in-flight updates) when the last request that named
+        it returns."""
+        with self._adapters_lock:
+            busy = self._adapter_users[name] > 0
+        if not busy:
+            self._unload(name)
+
+    def _done_with(self, name: str) -> None:
+        with self._adapters_lock:
+            self._adapter_users[name] -= 1
+            idle = self._adapter_users[name] <= 0 and name != self.adapter
+            if self._adapter_users[name] <= 0:
+                del self._adapter_users[name]
+        if idle:
+            self._unload(name)
 
     def _unload(self, name: str) -> None:
         """Free an adapter no request names any more; a failure only leaves it to the server's own eviction."""

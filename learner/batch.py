@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from common.grpo.advantages import group_std, is_zero_std
-from common.schemas import FilteredStats, GroupMessage
+from common.schemas import Completions, FilteredStats, GroupMessage
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,10 @@ class Batch:
     rewards: torch.Tensor  # (B,) float32, group-contiguous
     group_size: int
     staleness: torch.Tensor  # (G,) long: learner version − policy version, per group
+    # (B, L-1) long, 0 outside the mask: each completion token's own age, its group's plus how far its version is
+    # behind the group's newest (in-flight updates: common.schemas.versions); the group's where it carries no runs.
+    token_staleness: torch.Tensor
+    versions_per_answer: torch.Tensor  # (B,) long: how many versions produced each completion's tokens
     truncated: torch.Tensor  # (B,) bool: finish reason "length"
     # (B,) float32: each completion's overlong penalty as its actor computed it (0 for a group that carries none);
     # None when no group of the batch carries any (no shaping).
@@ -65,11 +69,13 @@ def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> B
     attention = torch.zeros((b, width), dtype=torch.long)
     mask = torch.zeros((b, width - 1), dtype=torch.float32)
     behavior = torch.zeros((b, width - 1), dtype=torch.float32)
+    ages = torch.zeros((b, width - 1), dtype=torch.long)
     row = 0
     for g, c in zip(groups, cols, strict=True):
         prompt = torch.from_numpy(g.prompt_ids.astype(np.int64))
         tokens = torch.from_numpy(c.token_ids.astype(np.int64))
         logprobs = torch.from_numpy(c.logprobs.astype(np.float32))  # a writable copy of the message's bytes
+        age = _token_ages(c, learner_version - g.policy_version)
         p, offsets = len(prompt), c.offsets.tolist()
         for a, e in pairwise(offsets):
             n = e - a
@@ -79,6 +85,7 @@ def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> B
             # Token p+j is predicted at shifted position p+j−1.
             mask[row, p - 1 : p - 1 + n] = 1.0
             behavior[row, p - 1 : p - 1 + n] = logprobs[a:e]
+            ages[row, p - 1 : p - 1 + n] = age[a:e]
             row += 1
     return Batch(
         input_ids=input_ids,
@@ -88,9 +95,21 @@ def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> B
         rewards=torch.from_numpy(np.concatenate([c.rewards for c in cols]).astype(np.float32)),
         group_size=group_size,
         staleness=torch.tensor([learner_version - g.policy_version for g in groups], dtype=torch.long),
+        token_staleness=ages,
+        versions_per_answer=torch.from_numpy(
+            np.concatenate([c.runs.counts if c.runs is not None else np.ones(len(c), np.int32) for c in cols])
+        ).long(),
         truncated=torch.tensor([r == "length" for c in cols for r in c.finish_reasons], dtype=torch.bool),
         penalties=_penalties(groups, group_size),
     )
+
+
+def _token_ages(c: Completions, group_age: int) -> torch.Tensor:
+    """(N,) every completion token's age in versions: the group's, plus how far behind its newest version the
+    token's is (0 for every token of a group without runs)."""
+    if c.runs is None:
+        return torch.full((len(c.token_ids),), group_age, dtype=torch.long)
+    return torch.from_numpy(group_age + (c.runs.newest() - c.runs.token_versions()))
 
 
 def _penalties(groups: list[GroupMessage], group_size: int) -> torch.Tensor | None:
@@ -98,6 +117,21 @@ def _penalties(groups: list[GroupMessage], group_size: int) -> torch.Tensor | No
         return None
     zeros = np.zeros(group_size, np.float32)
     return torch.from_numpy(np.concatenate([zeros if g.penalties is None else g.penalties for g in groups]))
+
+
+def version_spread(batch: Batch) -> dict[str, float]:
+    """How old the completion tokens are and how many versions each answer spans (in-flight updates spread an
+    answer over several): ``staleness/token_mean``, ``staleness/token_max``, ``versions/per_answer`` (mean) and
+    ``versions/mixed_frac`` (the share of answers with tokens of more than one version)."""
+    on = batch.loss_mask > 0
+    ages = batch.token_staleness[on].float()
+    per_answer = batch.versions_per_answer.float()
+    return {
+        "staleness/token_mean": float(ages.mean()) if ages.numel() else 0.0,
+        "staleness/token_max": float(ages.max()) if ages.numel() else 0.0,
+        "versions/per_answer": float(per_answer.mean()),
+        "versions/mixed_frac": float((per_answer > 1).float().mean()),
+    }
 
 
 def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int, world: int = 1) -> list[torch.Tensor]:

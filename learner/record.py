@@ -102,6 +102,7 @@ class Record:
         m.entropy.set(row["entropy"])
         m.staleness.labels("mean").set(row["staleness/mean"])
         m.staleness.labels("max").set(row["staleness/max"])
+        m.staleness.labels("token_mean").set(row["staleness/token_mean"])
         m.loss.set(row["loss"])
         if "kl" in row:
             m.kl.set(row["kl"])

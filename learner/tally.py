@@ -63,7 +63,7 @@ class UpdateTally:
 
 class PolicyStats:
     """What the policy shows over the completion tokens it is scored on: its mean entropy, and the mean
-    |learner − engine| log-prob where both are the same policy version (groups with staleness 0), which measures the
+    |learner − engine| log-prob where both are the same policy version (tokens with staleness 0), which measures the
     engine's numerical mismatch alone (absent when no such group was seen)."""
 
     def __init__(self) -> None:
@@ -82,7 +82,7 @@ class PolicyStats:
         # logp_all covers the forward's positions (cut to the rows' longest); beyond them the mask is 0.
         self.entropy += float((-(logp_all.exp() * logp_all).sum(-1) * m[:, : logp_all.shape[1]]).sum())
         self.tokens += float(m.sum())
-        fresh = m * (batch.row_staleness[rows] == 0).to(m.dtype).unsqueeze(1)
+        fresh = m * (batch.token_staleness[rows] == 0).to(m.dtype)
         self.mismatch += float(((logprobs - batch.behavior_logprobs[rows]).abs() * fresh).sum())
         self.fresh_tokens += float(fresh.sum())
 

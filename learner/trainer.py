@@ -36,7 +36,7 @@ from common.grpo.logprobs import gather_tokens, scaled_log_softmax
 from common.hardware import describe_device, resolve_bf16
 from common.model.lora import is_lora
 from common.schemas import FilteredStats, GroupMessage
-from learner.batch import Batch, assemble, micro_batches, sampled_reward_stats
+from learner.batch import Batch, assemble, micro_batches, sampled_reward_stats, version_spread
 from learner.distributed import Ranks
 from learner.loss import grpo_loss, importance_weights, micro_batch_weight
 from learner.packing import pack, unpack
@@ -121,6 +121,11 @@ class Trainer:
         if self.cfg.learner.mask_truncated_completions:
             # DAPO's overlong filtering: a cut-off answer is neither right nor wrong, so it teaches nothing.
             mask = mask * (~batch.truncated).to(mask.dtype).unsqueeze(1)
+        # In-flight updates: tokens sampled more than max_staleness versions ago are left out of the loss (the
+        # answer stays, its reward counts in its group's advantages), as a group that old would have been dropped.
+        fresh_enough = (batch.token_staleness <= self.cfg.learner.max_staleness).to(mask.dtype)
+        stale_tokens = float((mask * (1 - fresh_enough)).sum())
+        mask = mask * fresh_enough
         adv, shaping = self.advantages(batch)
         old, is_weights, shown = (None, None, {}) if self.fuse_proximal else self.old_logprobs(batch, mask)
         ref = self.reference_logprobs(batch, mask)
@@ -132,6 +137,8 @@ class Trainer:
             "completions/truncated_frac": float(batch.truncated.float().mean()),
             "staleness/mean": float(batch.staleness.float().mean()),
             "staleness/max": float(batch.staleness.max()),
+            **version_spread(batch),
+            "tokens/stale_masked": stale_tokens,
             "groups_forwarded_zero_std": float(sum(g.zero_std for g in groups)),
             "tokens": float(mask.sum()),
         }

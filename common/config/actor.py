@@ -26,6 +26,27 @@ class ActorConfig(Section):
         "a batch (actor.prompts_per_round >= learner.batch_groups, actor.filter_zero_std off) and one actor, or the "
         "learner would wait for groups that actors waiting for its weights never send",
     )
+    weight_updates: Literal["between_rounds", "in_flight"] = Field(
+        "between_rounds",
+        description="when an actor loads a newly published version: between_rounds = before its next round, so a "
+        "round started just before a publish finishes on the old weights however long its answers are; in_flight "
+        "= as soon as it learns of it, while its rounds are still being sampled (the local and sim engines between "
+        "two decode steps, SGLang through /pause_generation, the update and /continue_generation), so that the "
+        "rest of each answer comes from the new weights. Each answer then carries which version produced which "
+        "tokens (the group message's versions), the learner leaves tokens older than learner.max_staleness out "
+        "of the loss instead of dropping the answer, and no answer is thrown away for being slow. Buys fresher "
+        "tokens and fewer stale drops on long answers; costs a pause of generation per version (the load itself) "
+        "and, with in_flight_kv recompute, a prefill of every unfinished answer",
+    )
+    in_flight_kv: Literal["keep", "recompute"] = Field(
+        "keep",
+        description="weight_updates in_flight: what becomes of the keys and values cached for answers in flight. "
+        "keep = the rest of an answer attends to keys computed with the old weights (as PipelineRL and AReaL do; "
+        "the behaviour log-probs are what the engine computed that way, and the learner's importance weights "
+        "correct for the difference); recompute = they are computed again with the new weights before the next "
+        "token (the local engine prefills prompt and answer so far; SGLang retracts the requests), exact but a "
+        "prefill of every unfinished answer per version",
+    )
     prompts_per_round: int = Field(16, ge=1, description="prompts generated together in one engine call")
     prompt_sampling: Literal["cursor", "difficulty"] = Field(
         "cursor",

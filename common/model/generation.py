@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from common.grpo.logprobs import scaled_log_softmax
 
@@ -26,6 +27,20 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    # (version, tokens) runs of the weights that produced its tokens, oldest first, when it was asked for (weights
+    # loaded mid-generation: actor.weight_updates in_flight); empty: every token came from the round's version.
+    versions: tuple[tuple[int, int], ...] = ()
+
+
+def version_runs(versions: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Per-token versions → (version, tokens) runs: ``[3, 3, 4]`` → ``((3, 2), (4, 1))``."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return tuple((v, n) for v, n in runs)
 
 
 def split_at_stop(tokens: Sequence[int], stop_ids: set[int]) -> tuple[list[int], str]:
@@ -61,13 +76,16 @@ class SampledLogprobs:
 
     ``generate`` calls it with each step's logits before it draws a token (before its own temperature warper: custom
     processors run ahead of the sampling warpers), and with that token appended to ``input_ids`` at the next step; the
-    last step's token is gathered by :meth:`finish`. It returns the scores unchanged."""
+    last step's token is gathered by :meth:`finish`. It returns the scores unchanged. With ``version``, it also
+    records the weights' version each step's logits were computed with (weights may change between steps)."""
 
-    def __init__(self, temperature: float, prompt_width: int):
+    def __init__(self, temperature: float, prompt_width: int, version: Callable[[], int] | None = None):
         self.temperature = temperature
         self.prompt_width = prompt_width
         self.pending: torch.Tensor | None = None  # the current step's log-softmax, (rows, vocabulary)
         self.taken: list[torch.Tensor] = []  # one (rows,) tensor per generated token
+        self.version = version
+        self.versions: list[int] = []  # each step's weights version, when asked for
 
     def _gather(self, tokens: torch.Tensor) -> None:
         assert self.pending is not None
@@ -80,6 +98,8 @@ class SampledLogprobs:
         # The learner's definition of a token's log-prob (common.grpo.logprobs): the ratio's two sides must be one
         # function.
         self.pending = scaled_log_softmax(scores, self.temperature)
+        if self.version is not None:
+            self.versions.append(self.version())
         return scores
 
     def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
@@ -103,11 +123,17 @@ def generate(
     temperature: float | None,
     greedy_logprobs: bool = False,
     each_step: Callable[[], object] | None = None,
+    version: Callable[[], int] | None = None,
+    interrupt: Callable[[], bool] | None = None,
 ) -> list[list[Sample]]:
     """``n`` completions for each prompt (prompt-major), sampled at ``temperature`` or greedy when it is None.
     Greedy completions carry log-probs (at temperature 1, as a SGLang server reports them) only when
     ``greedy_logprobs`` asks for them. ``each_step`` is called before every forward of the decode loop (the torch
-    threads chosen there: common.cores)."""
+    threads chosen there: common.cores; a weights load between two steps), after the step's log-probs are recorded.
+    ``version``: each sample's tokens carry the version it returned when their logits were computed
+    (``Sample.versions``). ``interrupt``: asked after every step; when it says yes, generation stops there for every
+    row, and the unfinished rows come back with the tokens they have and finish reason "length" (the caller, who
+    knows ``max_new_tokens``, tells them from rows that reached it)."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     # Left padding: every row's next token comes right after its last prompt token.
@@ -117,7 +143,7 @@ def generate(
         ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
         attn[i, width - len(p) :] = 1
     greedy = temperature is None
-    record = SampledLogprobs(temperature or 1.0, width) if not greedy or greedy_logprobs else None
+    record = SampledLogprobs(temperature or 1.0, width, version) if not greedy or greedy_logprobs else None
     out = model.generate(
         input_ids=ids.to(device),
         attention_mask=attn.to(device),
@@ -135,15 +161,24 @@ def generate(
         eos_token_id=sorted(stop_ids),
         pad_token_id=pad_id,
         logits_processor=[p for p in (record, _each_step(each_step)) if p is not None] or None,
+        stopping_criteria=StoppingCriteriaList([_Interrupt(interrupt)]) if interrupt is not None else None,
         return_dict_in_generate=True,
     )
-    new_tokens = out.sequences[:, width:]
+    return _samples(out.sequences[:, width:], record, n, stop_ids)
+
+
+def _samples(
+    new_tokens: torch.Tensor, record: SampledLogprobs | None, n: int, stop_ids: set[int]
+) -> list[list[Sample]]:
+    """The generated rows as ``n`` samples per prompt, each cut after its first stop token."""
     # Greedy answers carry no log-probs unless asked for: nothing trains on them.
     logps = record.finish(new_tokens).cpu().tolist() if record else None
+    versions = record.versions if record is not None and record.version is not None else None
     rows: list[list[Sample]] = []
     for i, row in enumerate(new_tokens.cpu().tolist()):
         tokens, reason = split_at_stop(row, stop_ids)
-        sample = Sample(tokens, logps[i][: len(tokens)] if logps else [], reason)
+        runs = version_runs(versions[: len(tokens)]) if versions is not None else ()
+        sample = Sample(tokens, logps[i][: len(tokens)] if logps else [], reason, runs)
         if i % n == 0:
             rows.append([])
         rows[-1].append(sample)
@@ -161,3 +196,13 @@ def _each_step(call: Callable[[], object] | None) -> Callable[[torch.Tensor, tor
         return scores
 
     return processor
+
+
+class _Interrupt(StoppingCriteria):
+    """Every row stops after this step when ``asked()`` says so (a weights version to load before going on)."""
+
+    def __init__(self, asked: Callable[[], bool]):
+        self.asked = asked
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), bool(self.asked()), dtype=torch.bool, device=input_ids.device)

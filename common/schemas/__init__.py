@@ -6,7 +6,7 @@ Messages
     One prompt, its G completions with their behaviour log-probs and rewards, stamped with the policy version that
     generated them. Invariants, checked by :func:`decode_group`:
 
-    - ``v`` is :data:`SCHEMA_VERSION` (or 1 or 2, read for groups still in a stream written by an older build) and
+    - ``v`` is :data:`SCHEMA_VERSION` (or 1, 2 or 3, read for groups still in a stream written by an older build) and
       ``type`` is ``"group"``; no unknown keys anywhere;
     - arrays travel as ``{"dtype": ..., "data": <little-endian bytes>}``, never as lists of numbers;
     - every completion has as many behaviour log-probs as tokens (at least one), log-probs are in
@@ -22,22 +22,28 @@ Messages
       ``filtered`` hash, common.transport), where a dropped group cannot take it along, and the learner reads it
       there. Versions 1 and 2 carried a ``filtered`` map for it, which is read and skipped;
     - ``epoch`` (optional, an int ≥ 0): the learner lineage of the weights it was sampled with, from their
-      announcement; messages without it (earlier builds) are read by their version alone.
+      announcement; messages without it (earlier builds) are read by their version alone;
+    - ``completions.versions`` (optional, version 4): which policy version produced which tokens, run-length encoded
+      per completion (common.schemas.versions): ``runs`` (int32, G: runs per completion, each ≥ 1), ``version`` and
+      ``tokens`` (int32, one per run: versions rising within a completion, each run ≥ 1 token, a completion's runs
+      adding up to its length). Sent by actors that load weights mid-answer (``actor.weight_updates: in_flight``)
+      when some token is older than the group's ``policy_version``, which is then the newest version any token
+      holds; absent, every token is ``policy_version``'s.
 
-Layout (version 3). The G completions travel as columns, not as G maps: ``completions`` is one map of
+Layout (version 4). The G completions travel as columns, not as G maps: ``completions`` is one map of
 ``lengths`` (int32, G), ``token_ids`` and ``logprobs`` (every completion's, end to end, ``sum(lengths)`` each),
 ``rewards`` (float64, G) and ``finish_reasons`` (G strings)::
 
-    {"v": 3, "type": "group", "group_id": str, "prompt_id": str, "policy_version": int, "actor_id": str,
+    {"v": 4, "type": "group", "group_id": str, "prompt_id": str, "policy_version": int, "actor_id": str,
      "created_at": float, "prompt_ids": array, "zero_std": bool, ["penalties": array,] ["epoch": int,]
      "completions": {"lengths": array, "token_ids": array, "logprobs": array, "rewards": array,
-                     "finish_reasons": [str, ...]}}
+                     "finish_reasons": [str, ...], ["versions": {"runs", "version", "tokens"}]}}
 
 Why columns: a group is a handful of arrays whatever G is, so packing, unpacking and checking it costs a few numpy
 calls instead of G small maps of nested maps; that halved the cost of moving a group through Redis (benchmark
-B3). Version 2 was this layout with ``filtered`` and without ``penalties``; version 1 carried ``completions`` as a
-list of ``{"token_ids", "logprobs", "reward", "finish_reason"}`` maps; the decoder still reads both, so groups left
-in a stream by an older build are trained, not dead-lettered.
+B3). Version 3 was this layout without ``versions``, version 2 it with ``filtered`` and without ``penalties``;
+version 1 carried ``completions`` as a list of ``{"token_ids", "logprobs", "reward", "finish_reason"}`` maps; the
+decoder still reads all three, so groups left in a stream by an older build are trained, not dead-lettered.
 
 ``WeightsAnnouncement`` (learner → Redis hash ``weights:latest`` + channel ``weights`` → actors)
     ``version``, ``uri`` (a directory), ``digest`` (``xxh3-128:<hex>`` or ``sha256:<hex>``, over its
@@ -119,6 +125,7 @@ from common.schemas.state import (
     counter,
     weights_wakeup,
 )
+from common.schemas.versions import VersionRuns
 
 __all__ = [
     "COUNTER_KINDS",
@@ -156,6 +163,7 @@ __all__ = [
     "RunCounters",
     "RunIdentity",
     "SchemaError",
+    "VersionRuns",
     "WeightsAnnouncement",
     "as_text",
     "counter",

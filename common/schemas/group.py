@@ -20,9 +20,10 @@ from common.schemas.fields import integer as _int
 from common.schemas.fields import keys_of as _keys
 from common.schemas.fields import number as _float
 from common.schemas.fields import text as _str
+from common.schemas.versions import VERSION_KEYS, VersionRuns, check_runs, runs_from_fields
 
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
 
@@ -39,6 +40,9 @@ class Completion:
     logprobs: np.ndarray  # float32 (L,): behaviour log-probs of the sampled tokens, at the sampling temperature
     reward: float
     finish_reason: FinishReason
+    # int32 (k, 2): the (version, tokens) runs of its tokens, oldest first (common.schemas.versions); None: every
+    # token is its group's policy_version's.
+    runs: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ class Completions(Sequence[Completion]):
     :class:`Completion` of views into the columns (no copies); code that handles whole groups (the learner's
     batch) reads the columns directly."""
 
-    __slots__ = ("_offsets", "finish_reasons", "lengths", "logprobs", "rewards", "token_ids")
+    __slots__ = ("_offsets", "finish_reasons", "lengths", "logprobs", "rewards", "runs", "token_ids")
 
     def __init__(
         self,
@@ -107,12 +111,14 @@ class Completions(Sequence[Completion]):
         lengths: np.ndarray,
         rewards: np.ndarray,
         finish_reasons: tuple[FinishReason, ...],
+        runs: VersionRuns | None = None,
     ):
         self.token_ids = token_ids  # int32 (N,), N = Σ lengths
         self.logprobs = logprobs  # float32 (N,)
         self.lengths = lengths  # int32 (G,)
         self.rewards = rewards  # float64 (G,)
         self.finish_reasons = finish_reasons
+        self.runs = runs  # which version produced which tokens; None: all the group's policy_version's
         self._offsets: np.ndarray | None = None
 
     @property
@@ -124,15 +130,19 @@ class Completions(Sequence[Completion]):
         return self._offsets
 
     @classmethod
-    def of(cls, completions: Sequence[Completion]) -> Completions:
+    def of(cls, completions: Sequence[Completion], version: int | None = None) -> Completions:
+        """Columns of ``completions``; ``version`` is their group's policy version (the version of the tokens of
+        completions that carry no runs)."""
         if isinstance(completions, Completions):
             return completions
+        lengths = np.array([len(c.token_ids) for c in completions], dtype=np.int32)
         return cls(
             _joined([c.token_ids for c in completions], INT32),
             _joined([c.logprobs for c in completions], FLOAT32),
-            np.array([len(c.token_ids) for c in completions], dtype=np.int32),
+            lengths,
             np.array([c.reward for c in completions], dtype=np.float64),
             tuple(c.finish_reason for c in completions),
+            VersionRuns.of([c.runs for c in completions], lengths, version),
         )
 
     def __len__(self) -> int:
@@ -150,7 +160,8 @@ class Completions(Sequence[Completion]):
             raise IndexError(f"completion {i} of {n}")
         i %= n
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return Completion(self.token_ids[a:b], self.logprobs[a:b], float(self.rewards[i]), self.finish_reasons[i])
+        runs = self.runs.completion(i) if self.runs is not None else None
+        return Completion(self.token_ids[a:b], self.logprobs[a:b], float(self.rewards[i]), self.finish_reasons[i], runs)
 
 
 def _joined(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
@@ -177,7 +188,7 @@ class GroupMessage:
 
     def __post_init__(self) -> None:
         # Held as columns whatever was passed, so that encoding and the learner's batch work on whole arrays.
-        object.__setattr__(self, "completions", Completions.of(self.completions))
+        object.__setattr__(self, "completions", Completions.of(self.completions, self.policy_version))
 
     @property
     def columns(self) -> Completions:
@@ -206,6 +217,15 @@ def _array(a: np.ndarray, dtype: str) -> dict[str, Any]:
 def encode_group(msg: GroupMessage) -> bytes:
     """GroupMessage → msgpack bytes (the stream entry's ``data`` field), in the layout of :data:`SCHEMA_VERSION`."""
     c = msg.columns
+    columns: dict[str, Any] = {
+        "lengths": _array(c.lengths, "int32"),
+        "token_ids": _array(c.token_ids, "int32"),
+        "logprobs": _array(c.logprobs, "float32"),
+        "rewards": _array(c.rewards, "float64"),
+        "finish_reasons": list(c.finish_reasons),
+    }
+    if c.runs is not None:  # optional: only answers whose tokens came from more than one version carry it
+        columns["versions"] = {k: _array(a, "int32") for k, a in c.runs.fields().items()}
     body = {
         "v": SCHEMA_VERSION,
         "type": "group",
@@ -215,13 +235,7 @@ def encode_group(msg: GroupMessage) -> bytes:
         "actor_id": msg.actor_id,
         "created_at": float(msg.created_at),
         "prompt_ids": _array(msg.prompt_ids, "int32"),
-        "completions": {
-            "lengths": _array(c.lengths, "int32"),
-            "token_ids": _array(c.token_ids, "int32"),
-            "logprobs": _array(c.logprobs, "float32"),
-            "rewards": _array(c.rewards, "float64"),
-            "finish_reasons": list(c.finish_reasons),
-        },
+        "completions": columns,
         "zero_std": bool(msg.zero_std),
     }
     if msg.penalties is not None:  # optional: only an actor that shaped its rewards sends them
@@ -326,9 +340,10 @@ def _finish_reasons(v: Any) -> tuple[FinishReason, ...]:
     return tuple(v)
 
 
-def _decode_columns(v: Any) -> Completions:
-    """Version 2: the completions as columns (see the module's docstring)."""
-    d = _keys(v, "completions", _COLUMN_KEYS)
+def _decode_columns(v: Any, version: int) -> Completions:
+    """Versions 2 to 4: the completions as columns (see the module's docstring), since 4 with optional ``versions``."""
+    d = _keys(v, "completions", _COLUMN_KEYS | ({"versions"} if version >= 4 and type(v) is dict and "versions" in v
+                                                else set()))  # fmt: skip
     reasons = _finish_reasons(d["finish_reasons"])
     g = len(reasons)
     lengths = _decode_array(d["lengths"], "completions.lengths", _ID_DTYPES, INT32, _MAX_COMPLETIONS)
@@ -344,7 +359,14 @@ def _decode_columns(v: Any) -> Completions:
         raise SchemaError(f"completions: lengths add up to {total} tokens but token_ids has {len(ids)}")
     if len(lps) != len(ids):
         raise SchemaError(f"completions: {len(ids)} tokens but {len(lps)} log-probs")
-    return Completions(ids, lps, lengths, rewards, reasons)
+    runs = _decode_runs(d["versions"]) if "versions" in d else None
+    return Completions(ids, lps, lengths, rewards, reasons, runs)
+
+
+def _decode_runs(v: Any) -> VersionRuns:
+    d = _keys(v, "completions.versions", VERSION_KEYS)
+    # Checked against the lengths and the policy version by decode_group, once both are read.
+    return runs_from_fields(d, lambda a, where: _decode_array(a, where, _ID_DTYPES, INT32, _MAX_GROUP_TOKENS))
 
 
 _V1_COMPLETION_KEYS = {"token_ids", "logprobs", "reward", "finish_reason"}
@@ -382,12 +404,12 @@ def _decode_penalties(v: Any, g: int) -> np.ndarray:
 
 
 # The keys of each version beside the optional ``epoch``: versions 1 and 2 carried ``filtered`` (a summary of the
-# groups an actor filtered out, which this build reads from Redis alone: its value is skipped), version 3
-# carries optional ``penalties`` instead.
+# groups an actor filtered out, which this build reads from Redis alone: its value is skipped), versions 3 and 4
+# carry optional ``penalties`` instead (and 4 optional ``versions`` inside ``completions``).
 _BASE_KEYS = {"v", "type", "group_id", "prompt_id", "policy_version", "actor_id", "created_at", "prompt_ids",
               "completions", "zero_std"}  # fmt: skip
-_OPTIONAL_KEYS = {1: {"epoch"}, 2: {"epoch"}, 3: {"epoch", "penalties"}}
-_REQUIRED_KEYS = {1: _BASE_KEYS | {"filtered"}, 2: _BASE_KEYS | {"filtered"}, 3: _BASE_KEYS}
+_OPTIONAL_KEYS = {1: {"epoch"}, 2: {"epoch"}, 3: {"epoch", "penalties"}, 4: {"epoch", "penalties"}}
+_REQUIRED_KEYS = {1: _BASE_KEYS | {"filtered"}, 2: _BASE_KEYS | {"filtered"}, 3: _BASE_KEYS, 4: _BASE_KEYS}
 
 
 # Every set of keys a valid message of each version has, to match a message's keys at once (the common case).
@@ -422,13 +444,17 @@ def decode_group(raw: bytes) -> GroupMessage:
     d = _group_keys(body, version)
     if d["type"] != "group":
         raise SchemaError(f"type: expected 'group', got {d['type']!r}")
-    completions = _decode_columns(d["completions"]) if version != 1 else _decode_v1_completions(d["completions"])
+    cols = d["completions"]
+    completions = _decode_columns(cols, cast(int, version)) if version != 1 else _decode_v1_completions(cols)
     prompt_ids = _decode_array(d["prompt_ids"], "prompt_ids", _ID_DTYPES, INT32)
     _check_values(prompt_ids, completions)
+    policy_version = _int(d["policy_version"], "policy_version")
+    if completions.runs is not None:
+        check_runs(completions.runs, completions.lengths, policy_version)
     return GroupMessage(
         group_id=_str(d["group_id"], "group_id"),
         prompt_id=_str(d["prompt_id"], "prompt_id"),
-        policy_version=_int(d["policy_version"], "policy_version"),
+        policy_version=policy_version,
         actor_id=_str(d["actor_id"], "actor_id"),
         created_at=_float(d["created_at"], "created_at", 0.0),
         prompt_ids=prompt_ids,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import msgpack
 import numpy as np
@@ -67,7 +68,7 @@ def test_round_trip_preserves_everything() -> None:
 def test_arrays_travel_as_little_endian_bytes_with_a_dtype_and_completions_as_columns() -> None:
     msg = make_group()
     d = body(msg)
-    assert d["v"] == SCHEMA_VERSION == 3 and d["type"] == "group"
+    assert d["v"] == SCHEMA_VERSION == 4 and d["type"] == "group"
     c = d["completions"]
     assert set(c) == {"lengths", "token_ids", "logprobs", "rewards", "finish_reasons"}
     assert all(
@@ -153,6 +154,31 @@ def test_version_1_groups_left_in_a_stream_are_still_read() -> None:
         decode_group(msgpack.packb(bad, use_bin_type=True))
 
 
+def test_tokens_of_several_versions_travel_as_runs_and_a_single_version_sends_none() -> None:
+    runs = [np.array([[6, 1], [7, 2]]), None, np.array([[7, 3]]), np.array([[5, 3]])]
+    comps = [replace(c, runs=r) for c, r in zip(make_group().completions, runs, strict=True)]
+    back = decode_group(encode_group(make_group(completions=comps)))
+    assert back.columns.runs is not None
+    assert back.columns.runs.token_versions().tolist() == [6, 7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5]
+    assert back.completions[0].runs.tolist() == [[6, 1], [7, 2]]  # type: ignore[union-attr]
+    assert back.completions[1].runs.tolist() == [[7, 3]]  # type: ignore[union-attr]
+    assert back.columns.runs.per_completion().tolist() == [2, 1, 1, 1]
+    # Every token of the group's own version: nothing to say, nothing sent.
+    same = [replace(c, runs=np.array([[7, 3]])) for c in make_group().completions]
+    assert "versions" not in body(make_group(completions=same))["completions"]
+    assert decode_group(encode_group(make_group(completions=same))).columns.runs is None
+
+
+def test_version_3_groups_without_runs_are_still_read() -> None:
+    d = body(make_group())
+    d["v"] = 3
+    back = decode_group(msgpack.packb(d, use_bin_type=True))
+    assert back.policy_version == 7 and back.columns.runs is None
+    d["completions"]["versions"] = _RUNS  # version 3 had none
+    with pytest.raises(SchemaError, match="unknown keys"):
+        decode_group(msgpack.packb(d, use_bin_type=True))
+
+
 def test_int64_and_float32_arrays_are_accepted_and_converted() -> None:
     d = body(make_group())
     d["prompt_ids"] = {"dtype": "int64", "data": np.array([1, 2], "<i8").tobytes()}
@@ -198,8 +224,8 @@ _LP = [-0.1] * 12
 
 # (field path, a value it must not have, what the error says): each one is a message that must be dead-lettered.
 REJECTIONS = [
-    ("v", 4, "unsupported schema version"),
-    ("v", "3", "unsupported schema version"),
+    ("v", 5, "unsupported schema version"),
+    ("v", "4", "unsupported schema version"),
     ("type", "weights", "expected 'group'"),
     ("extra", 1, "unknown keys"),
     ("policy_version", _DELETE, "missing"),
@@ -246,6 +272,21 @@ REJECTIONS = [
     ("penalties", _f32(0.0, -0.5), "penalties: 2 for 4 completions"),
     ("filtered", {"groups": 0}, "unknown keys ['filtered']"),  # version 3 has no summary
     ("zero_std", 0, "expected a boolean"),
+]
+
+
+# Which version produced which tokens (schema 4): the group of make_group has 4 completions of 3 tokens, version 7.
+_RUNS = {"runs": _i32(2, 1, 1, 1), "version": _i32(6, 7, 7, 5, 7), "tokens": _i32(1, 2, 3, 3, 3)}
+REJECTIONS += [
+    ("completions.versions", {**_RUNS, "runs": _i32(2, 1, 1)}, "3 run counts for 4 completions"),
+    ("completions.versions", {**_RUNS, "tokens": _i32(1, 2, 3, 3)}, "5 versions but 4 token counts"),
+    ("completions.versions", {**_RUNS, "runs": _i32(2, 1, 1, 2)}, "add up to the 5 runs"),
+    ("completions.versions", {**_RUNS, "tokens": _i32(0, 3, 3, 3, 3)}, "at least one token"),
+    ("completions.versions", {**_RUNS, "tokens": _i32(1, 1, 3, 3, 3)}, "completions[0].versions: runs of 2 tokens for 3"),
+    ("completions.versions", {**_RUNS, "version": _i32(7, 6, 7, 5, 7)}, "completions[0].versions: versions must rise"),
+    ("completions.versions", {**_RUNS, "version": _i32(5, 6, 6, 5, 6)}, "the newest version 6 is not policy_version 7"),
+    ("completions.versions", {**_RUNS, "version": _i32(6, 8, 8, 5, 8)}, "newest version 8 is not policy_version 7"),
+    ("completions.versions", {"runs": _RUNS["runs"]}, "missing"),
 ]
 
 
