@@ -1,5 +1,6 @@
 """A stand-in for a SGLang server, for tests on machines without a GPU: the request and reply shapes of SGLang 0.5.23's
-native API (``/health``, ``/model_info``, ``/server_info``, ``/generate``, ``/update_weights_from_disk``, the LoRA
+native API (``/health``, ``/model_info``, ``/server_info``, ``/generate``, ``/update_weights_from_disk``,
+``/pause_generation`` and ``/continue_generation`` (tests/sglang_standin_pause.py), the LoRA
 adapters' ``/load_lora_adapter`` and ``/unload_lora_adapter`` (tests/sglang_standin_lora.py),
 ``/get_weights_by_name``, and the update-group calls: ``/init_weights_update_group``, ``/destroy_weights_update_group``,
 ``/begin_weight_update``, ``/update_weights_from_distributed``, ``/end_weight_update``), served over real HTTP, with a
@@ -26,6 +27,7 @@ launch arguments of ``sglang.launch_server``: ``python -m tests.sglang_standin -
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from tests.sglang_standin_lora import Adapters, LoraError, disabled
+from tests.sglang_standin_pause import Pause
 
 _SAMPLING_TYPES: dict[str, tuple[type, ...]] = {
     "temperature": (int, float), "top_p": (int, float), "top_k": (int,), "max_new_tokens": (int,), "n": (int,),
@@ -75,6 +78,7 @@ class StandIn:
         self.adapters = Adapters(self.model, *lora) if lora is not None else None
         self.groups: dict[str, Any] = {}  # update groups by name
         self.session = False  # between /begin_weight_update and /end_weight_update
+        self.paused = Pause(weight_version)
         self._lock = threading.Lock()  # one generation or weight update at a time, as the scheduler serialises them
         self.control = {
             "/init_weights_update_group": self.init_group,
@@ -82,6 +86,8 @@ class StandIn:
             "/begin_weight_update": self.begin,
             "/end_weight_update": self.end,
             "/update_weights_from_distributed": self.update_distributed,
+            "/pause_generation": self.paused.pause,
+            "/continue_generation": self.paused.resume,
         }
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
         self.thread: threading.Thread | None = None
@@ -103,8 +109,6 @@ class StandIn:
     # -- endpoints ----------------------------------------------------------------------------------------------
 
     def generate(self, body: dict) -> Any:
-        from common.model.generation import generate
-
         if ("text" in body) == ("input_ids" in body):
             raise BadRequest("send exactly one of text or input_ids")
         ids = body["input_ids"]
@@ -126,19 +130,19 @@ class StandIn:
         if self.tokenizer.eos_token_id is not None and not params.get("ignore_eos"):
             stop_ids.add(self.tokenizer.eos_token_id)
         temperature = float(params.get("temperature", 1.0))
+        self.paused.wait_unpaused()  # a request sent while paused waits for /continue_generation
         with self._lock:
             models = self._models(body.get("lora_path"), len(prompts))
             groups: list[Any] = [None] * len(prompts)
             for model in {id(m): m for m in models}.values():  # the prompts of each adapter (or the base) together
                 mine = [i for i, m in enumerate(models) if m is model]
-                for i, group in zip(mine, generate(
-                    model, [prompts[i] for i in mine], n=n, max_new_tokens=int(params.get("max_new_tokens", 128)),
+                for i, group in zip(mine, self.paused.generate(
+                    model, [prompts[i] for i in mine], n, int(params.get("max_new_tokens", 128)),
                     stop_ids=stop_ids, pad_id=self.tokenizer.pad_token_id or 0,
                     temperature=temperature if temperature > 0 else None,
                     greedy_logprobs=bool(body.get("return_logprob")),  # a real server reports them at temperature 0
                 ), strict=True):  # fmt: skip
                     groups[i] = group
-            version = self.scheduler_version
             self._busy_until = time.monotonic() + self.busy_s
         out = []
         for prompt, group in zip(prompts, groups, strict=True):
@@ -157,8 +161,8 @@ class StandIn:
                         "prompt_tokens": len(prompt),
                         "completion_tokens": len(s.token_ids),
                         "cached_tokens": 0,
-                        "weight_version": version,
-                        "weight_versions": [{"version": version, "start": 0, "end": len(s.token_ids)}],
+                        "weight_version": self.paused.spans(s)[-1]["version"],
+                        "weight_versions": self.paused.spans(s),
                         "output_token_logprobs": [[lp, t, None] for lp, t in zip(s.logprobs, s.token_ids, strict=True)],
                     },
                 })  # fmt: skip
@@ -197,10 +201,12 @@ class StandIn:
         params = self.model.state_dict()
         if any(k in params and v.shape != params[k].shape for k, v in state.items()):
             self.crash()
-        with self._lock:
+        # Paused, the requests wait between two steps, holding the generation lock: the update goes ahead of them.
+        with self._lock if self.paused.mode is None else contextlib.nullcontext():
             load_into(self.model, state)
             if body.get("weight_version") is not None:
                 self.scheduler_version = str(body["weight_version"])
+                self.paused.serving(self.scheduler_version)
             if body.get("flush_cache", True):
                 if self._busy():
                     message = ("Weights were updated, but the cache was not flushed because requests are still "
@@ -218,7 +224,7 @@ class StandIn:
         raise ConnectionAbortedError("the scheduler died")
 
     def _busy(self) -> bool:
-        return time.monotonic() < self._busy_until
+        return time.monotonic() < self._busy_until or self.paused.busy()
 
     def flush_cache(self, query: dict[str, list[str]]) -> tuple[int, str]:
         timeout = float(query.get("timeout", ["0"])[0])
@@ -236,6 +242,7 @@ class StandIn:
         if not isinstance(body.get("new_version"), str):
             raise BadRequest("new_version: missing or not str")
         self.weight_version = self.scheduler_version = body["new_version"]
+        self.paused.serving(self.scheduler_version)
         return 200, {"success": True, "message": f"Weight version updated to {body['new_version']}",
                      "new_version": body["new_version"]}  # fmt: skip
 
@@ -324,6 +331,7 @@ class StandIn:
             self.model.load_state_dict(weights, strict=False)
             if body.get("weight_version") is not None:
                 self.weight_version = self.scheduler_version = str(body["weight_version"])
+                self.paused.serving(self.scheduler_version)
             if body.get("flush_cache", True):
                 self.cache_flushes += 1
         return 200, {"success": True, "message": "Succeeded to update parameter online."}

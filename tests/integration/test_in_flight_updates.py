@@ -86,7 +86,7 @@ def expected(old: Any, new: Any, prompt: list[int], s: Sample, kv: str) -> list[
     the new weights, on the old cache of everything before it) or over everything recomputed."""
     ids = prompt + s.token_ids
     p = len(prompt)
-    (v0, k), *rest = s.versions
+    (_, k), *rest = s.versions
     before = token_logprobs(old, ids[: p + k], 0)[p - 1 :]
     if not rest:
         return before
@@ -142,5 +142,7 @@ def test_the_actor_sends_each_answers_versions_and_stamps_its_group_with_the_new
         newest = max(s.versions[-1][0] for s in group)
         assert msg.policy_version == newest
         for c, s in zip(msg.completions, group, strict=True):
-            runs = [tuple(r) for r in c.runs.tolist()] if c.runs is not None else [(msg.policy_version, len(s.token_ids))]
+            runs = (
+                [tuple(r) for r in c.runs.tolist()] if c.runs is not None else [(msg.policy_version, len(s.token_ids))]
+            )
             assert runs == list(s.versions)

@@ -282,7 +282,11 @@ REJECTIONS += [
     ("completions.versions", {**_RUNS, "tokens": _i32(1, 2, 3, 3)}, "5 versions but 4 token counts"),
     ("completions.versions", {**_RUNS, "runs": _i32(2, 1, 1, 2)}, "add up to the 5 runs"),
     ("completions.versions", {**_RUNS, "tokens": _i32(0, 3, 3, 3, 3)}, "at least one token"),
-    ("completions.versions", {**_RUNS, "tokens": _i32(1, 1, 3, 3, 3)}, "completions[0].versions: runs of 2 tokens for 3"),
+    (
+        "completions.versions",
+        {**_RUNS, "tokens": _i32(1, 1, 3, 3, 3)},
+        "completions[0].versions: runs of 2 tokens for 3",
+    ),
     ("completions.versions", {**_RUNS, "version": _i32(7, 6, 7, 5, 7)}, "completions[0].versions: versions must rise"),
     ("completions.versions", {**_RUNS, "version": _i32(5, 6, 6, 5, 6)}, "the newest version 6 is not policy_version 7"),
     ("completions.versions", {**_RUNS, "version": _i32(6, 8, 8, 5, 8)}, "newest version 8 is not policy_version 7"),
