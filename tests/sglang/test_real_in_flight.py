@@ -1,0 +1,91 @@
+"""actor.weight_updates in_flight against a real SGLang 0.5.23 server (launched by the engine, as an actor launches
+it): a version loaded while a request generates pauses it (in place, or retracted), updates the weights and continues
+it; the reply's ``weight_versions`` spans say which tokens each version produced, and the behaviour log-probs are
+the old model's before the update and the new one's after it (within the bf16 tolerance of test_real_server). The
+stand-in (tests/sglang_standin_pause.py) is held to the same replies in tests/integration/test_sglang_in_flight.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from actor.sglang_api import generate_request, parse_samples
+from actor.sglang_engine import SGLangEngine
+from common.model.loading import load_pretrained
+from common.weights import publish
+from tests.integration.test_in_flight_updates import expected
+from tests.sglang.conftest import server_config
+from tests.sglang.test_real_server import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+TOKENS = 100  # within the demo model's 128 positions
+
+
+@pytest.fixture(scope="module")
+def in_flight_engine(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, sglang_python: str) -> Iterator:
+    cfg = server_config(demo_model_dir, tmp_path_factory.mktemp("sglang-in-flight"), sglang_python,
+                        "actor.weight_updates=in_flight")  # fmt: skip
+    engine = SGLangEngine(cfg, seed=0, name="in-flight")
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def long_answers(engine: SGLangEngine, prompt: list[int]) -> dict:
+    """Eight answers of TOKENS tokens each (end of sequence ignored), so that an update can land mid-answer."""
+    body = generate_request([prompt], 8, temperature=1.0, max_new_tokens=TOKENS, stop_token_ids=[], mode="n")
+    body["sampling_params"]["ignore_eos"] = True
+    return body
+
+
+def send(e: SGLangEngine, body: dict, out: dict[str, Any]) -> None:
+    out["r"] = e.client.request("POST", "/generate", body)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_an_update_mid_answer_is_served_from_the_next_token_on(
+    in_flight_engine: SGLangEngine, demo_model_dir: Path, mode: str
+) -> None:
+    e = in_flight_engine
+    e.pause_mode = mode  # what actor.in_flight_kv keep / recompute choose
+    tokenizer, old = load_pretrained(str(demo_model_dir), "float32", "cpu")
+    _, new = load_pretrained(str(demo_model_dir), "float32", "cpu")
+    with torch.no_grad():
+        new.model.norm.weight.mul_(3.0)  # sharper: log-probs move by far more than bf16's error
+    prompt = tokenizer.encode("12+7=")
+    for attempt in range(1, 6):  # an update that lands after the answers ended teaches nothing: try again
+        version = e.version + 1
+        ann = publish(new if version % 2 else old, tokenizer, Path(e.cfg.weights.dir), version, keep=2).announcement
+        before, after = (old, new) if version % 2 else (new, old)
+        out: dict[str, Any] = {}
+        worker = threading.Thread(target=send, args=(e, long_answers(e, prompt), out))
+        worker.start()
+        time.sleep(0.05 * attempt)
+        e.load(ann)
+        worker.join(120)
+        groups, newest = parse_samples(out["r"], 1, 8, mixed=True)
+        spanning = [s for s in groups[0] if len(s.versions) == 2]
+        if spanning:
+            break
+    assert spanning, "no update landed mid-answer in 5 attempts"
+    assert newest == str(version) and e.version == version
+    old_gaps, new_gaps = [], []
+    for s in spanning:
+        (v0, k), (v1, rest) = s.versions
+        assert (v0, v1) == (version - 1, version) and k + rest == TOKENS
+        # In place, the rest attends to the keys and values cached with the old weights; retracted, to recomputed ones.
+        ours = expected(before, after, prompt, s, "keep" if mode == "in_place" else "recompute")
+        old_gaps += [abs(a - b) for a, b in zip(ours[:k], s.logprobs[:k], strict=True)]
+        new_gaps += [abs(a - b) for a, b in zip(ours[k:], s.logprobs[k:], strict=True)]
+    print(f"{mode}: {len(spanning)} answers span v{version - 1} and v{version} (attempt {attempt}); mean |Δ| before "
+          f"{sum(old_gaps) / len(old_gaps):.4f}, after {sum(new_gaps) / len(new_gaps):.4f}")  # fmt: skip
+    for gaps in (old_gaps, new_gaps):
+        assert sum(gaps) / len(gaps) < LOGPROB_MEAN_TOL and max(gaps) < LOGPROB_MAX_TOL
