@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -234,10 +235,14 @@ class SimEngine:
     its log-probs are exact for uniform sampling (-log V per token). Weights are loaded and verified as a real
     engine would (same I/O, same digest check) and then discarded; only the tokenizer is loaded.
 
-    With in-flight updates (``updates``) a round's rows are paced as a batched decoder's: step j takes as long as the
-    rows still going make tokens, a version due meanwhile is loaded between two steps (asked every 20 ms), and each
-    token carries the version held when its step ended. ``in_flight_kv`` makes no difference here: no keys or values
-    are cached."""
+    With ``actor.sim_rounds_in_flight`` k > 1 it stands in for a server that batches concurrent requests: an actor
+    keeps k rounds generating at once (each at ``sim_tokens_per_s``), as on SGLang with ``sglang.rounds_in_flight``.
+
+    With in-flight updates a round's rows are paced as a batched decoder's: step j takes as long as the rows still
+    going make tokens, and each token carries the version held when its step ended; one round at a time, a version
+    due meanwhile is loaded between two steps (``updates``, asked every 20 ms); with rounds in flight the actor loads
+    it while it waits for them, as with SGLang. ``in_flight_kv`` makes no difference here: no keys or values are
+    cached."""
 
     updates: Updates | None = None
     _SLICE_S = 0.02  # in-flight pacing: how often a round checks for a version to load
@@ -250,7 +255,10 @@ class SimEngine:
         self.vocab = len(self.tokenizer)
         self.eos = self.tokenizer.eos_token_id
         self.rng = np.random.default_rng(seed)
+        self._draws = threading.Lock()  # rounds in flight draw from one generator, one at a time
         self.version = 0
+        self.rounds_in_flight = cfg.actor.sim_rounds_in_flight
+        self.batches_concurrent_requests = self.rounds_in_flight > 1
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
         t0 = time.perf_counter()  # random either way: greedy means nothing without a model
@@ -258,24 +266,24 @@ class SimEngine:
         logp = -math.log(self.vocab)
         groups: list[list[Sample]] = []
         tokens = 0
-        for _ in prompts:
-            group = []
-            for length in self.rng.integers(1, limit + 1, size=n):
-                ids = [
-                    t if t != self.eos else (t + 1) % self.vocab for t in self.rng.integers(0, self.vocab, int(length))
-                ]
-                stopped = length < limit and self.eos is not None
-                if stopped:
-                    ids[-1] = self.eos
-                group.append(Sample(ids, [logp] * len(ids), "stop" if stopped else "length"))
-                tokens += len(ids)
-            groups.append(group)
-        if self.updates is not None and not greedy:
+        with self._draws:
+            for _ in prompts:
+                group = []
+                for length in self.rng.integers(1, limit + 1, size=n):
+                    draws = self.rng.integers(0, self.vocab, int(length))
+                    ids = [t if t != self.eos else (t + 1) % self.vocab for t in draws]
+                    stopped = length < limit and self.eos is not None
+                    if stopped:
+                        ids[-1] = self.eos
+                    group.append(Sample(ids, [logp] * len(ids), "stop" if stopped else "length"))
+                    tokens += len(ids)
+                groups.append(group)
+        if self.cfg.actor.weight_updates == "in_flight" and not greedy:
             return self._paced_in_flight(groups, t0, self.updates)
         time.sleep(max(0.0, tokens / self.cfg.actor.sim_tokens_per_s - (time.perf_counter() - t0)))
         return groups
 
-    def _paced_in_flight(self, groups: list[list[Sample]], t0: float, updates: Updates) -> list[list[Sample]]:
+    def _paced_in_flight(self, groups: list[list[Sample]], t0: float, updates: Updates | None) -> list[list[Sample]]:
         lengths = np.array([len(s.token_ids) for g in groups for s in g])
         steps = int(lengths.max())
         # The time each decode step ends: step j makes one token for every row longer than j.
@@ -289,7 +297,7 @@ class SimEngine:
             versions[done:reached] = self.version
             done = max(done, reached)
             if done < steps:
-                if updates.due():
+                if updates is not None and updates.due():
                     updates.load()
                 time.sleep(max(0.0, min(self._SLICE_S, float(ends[done]) - time.perf_counter())))
         return [[replace(s, versions=version_runs(versions[: len(s.token_ids)].tolist())) for s in g] for g in groups]

@@ -31,16 +31,19 @@ class Round:
     holder: str  # whose reservation: the actor's id, or <id>/<slot>
     problems: list[Problem]
     started: float = field(default_factory=time.perf_counter)
+    generated: float = 0.0  # when its samples came back (a round in flight may wait to be taken after that)
     version: int = 0  # the policy version it was (or is being) generated with
     future: Future[tuple[list[list[Sample]], int | None]] | None = None
     samples: list[list[Sample]] = field(default_factory=list)
 
 
 def rounds_in_flight(cfg: Config, engine: Engine) -> int:
-    """SGLang batches concurrent requests, so its actors keep ``sglang.rounds_in_flight`` rounds going; an engine in
-    this process generates one round at a time, and the synchronous baseline samples one round per version."""
+    """SGLang batches concurrent requests, so its actors keep ``sglang.rounds_in_flight`` rounds going (the sim engine
+    ``actor.sim_rounds_in_flight``); an engine in this process generates one round at a time, and the synchronous
+    baseline samples one round per version."""
     concurrent = bool(getattr(engine, "batches_concurrent_requests", False))
-    return cfg.sglang.rounds_in_flight if concurrent and not cfg.actor.synchronous else 1
+    k = int(getattr(engine, "rounds_in_flight", cfg.sglang.rounds_in_flight))  # the sim engine has its own
+    return k if concurrent and not cfg.actor.synchronous else 1
 
 
 class InFlight:
@@ -68,8 +71,10 @@ class InFlight:
         if self._pool is None:  # one round at a time: generated here and now
             rnd.samples = self.engine.generate(prompts, group)
             rnd.version = self.engine.version  # a SGLang engine may learn from its reply what its server holds
+            rnd.generated = time.perf_counter()
         else:
             rnd.future = self._pool.submit(self._generate, prompts, group)
+            rnd.future.add_done_callback(lambda _: setattr(rnd, "generated", time.perf_counter()))
         self.pending.append(rnd)
         return rnd
 

@@ -242,7 +242,7 @@ class Actor:
         """Called every 0.2 s while the actor waits for a round: heartbeats, and with in-flight updates on an engine
         that samples in other threads (SGLang's rounds), a new version loaded as soon as it is announced."""
         self.heartbeat()
-        if self.updates is not None and not hasattr(self.engine, "updates") and self.updates.due():
+        if self.updates is not None and getattr(self.engine, "updates", None) is None and self.updates.due():
             self.updates.load()
 
     def _send_rounds_in_flight(self) -> None:
@@ -336,7 +336,7 @@ class Actor:
         self.version_sampled = rnd.version
         if self.updates is not None:
             self.updates.new_round()
-        self.metrics.generation_seconds.observe(time.perf_counter() - rnd.started)
+        self.metrics.generation_seconds.observe((rnd.generated or time.perf_counter()) - rnd.started)
         groups = rnd.samples
         self.metrics.completions.inc(sum(len(g) for g in groups))
         self.metrics.tokens.inc(sum(len(s.token_ids) for g in groups for s in g))

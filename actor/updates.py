@@ -101,6 +101,6 @@ def in_flight_updates(
     if cfg.actor.weight_updates != "in_flight":
         return None
     updates = InFlightUpdates(newer, load, woken)
-    if hasattr(engine, "updates"):
+    if hasattr(engine, "updates") and not getattr(engine, "batches_concurrent_requests", False):
         engine.updates = updates
     return updates

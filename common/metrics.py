@@ -226,7 +226,10 @@ class ActorMetrics(RedisMetrics):
         self.tokens = Counter("grpo_actor_tokens_generated", "completion tokens generated", registry=r)
         self.reward = Gauge("grpo_actor_reward_mean", "mean reward of the last round", registry=r)
         self.generation_seconds = Histogram(
-            "grpo_actor_generation_seconds", "engine time per round", buckets=_FAST, registry=r
+            "grpo_actor_generation_seconds",
+            "engine time per round, from its start to its samples",
+            buckets=_FAST,
+            registry=r,
         )
         self.grader_seconds = Histogram(
             "grpo_actor_grader_seconds", "grading time per round", buckets=_FAST, registry=r

@@ -19,6 +19,12 @@ class ActorConfig(Section):
         "sim = random tokens, for load tests",
     )
     sim_tokens_per_s: float = Field(2000.0, gt=0, description="sim engine: tokens per second it produces")
+    sim_rounds_in_flight: int = Field(
+        1,
+        ge=1,
+        description="sim engine: rounds an actor keeps generating at once, each at sim_tokens_per_s, standing in for "
+        "a server that batches concurrent requests (sglang.rounds_in_flight); 1 = one round at a time",
+    )
     synchronous: bool = Field(
         False,
         description="after each round, wait for a newer weights version before sampling again: a synchronous RL "

@@ -169,7 +169,7 @@ def test_the_sim_engine_paces_a_round_as_a_batched_decoder_and_stamps_each_steps
     from common.config import load_config
 
     cfg = load_config(overrides=[f"model.path={tiny_model_dir}", "actor.sim_tokens_per_s=4000",
-                                 "sampling.max_new_tokens=200"], env={})  # fmt: skip
+                                 "actor.weight_updates=in_flight", "sampling.max_new_tokens=200"], env={})  # fmt: skip
     prompts = [[1, 2], [3]] * 4  # about 3,200 tokens: 0.8 s, the load after 0.1 s
     plain = SimEngine(cfg, seed=5).generate(prompts, 4)
     engine = SimEngine(cfg, seed=5)
