@@ -13,6 +13,8 @@ ratios, never absolute-time claims. Results go to ``benchmarks/results/<date>.js
 - B5 scale (benchmarks/scale.py): groups/s at the learner with K actors vs K x one actor's.
 - B6 engines (benchmarks/engines.py): one actor's generation with a real SGLang server vs the local engine, on the
   demo's workload, or a recipe's with GRPO_BENCH_CONFIG (e.g. configs/smollm2-cpu.yaml).
+- B7 in-flight updates (benchmarks/in_flight.py): weights loaded between rounds vs in flight, on long answers:
+  actor and learner idle time, mean token staleness, completions/s.
 - curves (benchmarks/curves.py): the demo's reward and accuracy against wall-clock, three seeds, and synchronous.
 
 PNG plots of B1, B2, B5 and the curves go beside the report (``<date>-b1.png`` ...) when matplotlib is installed
@@ -38,6 +40,7 @@ sys.path.insert(1, str(REPO))
 import broadcast  # noqa: E402
 import curves  # noqa: E402
 import engines  # noqa: E402
+import in_flight  # noqa: E402
 import overlap  # noqa: E402
 import plots  # noqa: E402
 import scale  # noqa: E402
@@ -55,6 +58,7 @@ BENCHMARKS = {
     "B4-broadcast": broadcast.run,
     "B5": scale.run,
     "B6": lambda quick: engines.run(quick, [c for c in [os.environ.get("GRPO_BENCH_CONFIG", "")] if c]),
+    "B7": in_flight.run,
     "curves": curves.run,
 }
 PLOTS = {"B1": plots.overlap, "B2": plots.versus_trl, "B5": plots.scale, "curves": plots.curves}
@@ -92,6 +96,12 @@ def lines(name: str, result: dict) -> list[str]:
             ratios = ", ".join(f"{k} in flight {r:.2f}" for k, r in c["completions_per_s_ratio"].items())
             out.append(f"B6 engines, {c['case']} on {result['machine']['cpu']}: SGLang ÷ local completions/s: "
                        f"{ratios} (no goal)")  # fmt: skip
+    elif name == "B7":
+        for c in result["cases"]:
+            out.append(f"B7 in-flight updates, answers of up to {c['max_new_tokens']} tokens: in flight ÷ between "
+                       f"rounds: token staleness {c['token_staleness_mean_ratio']:.2f}, actor idle "
+                       f"{c['actor_idle_frac_ratio']:.2f}, completions/s {c['completions_per_s_ratio']:.2f} (goal: "
+                       "staleness and actor idle < 1)")  # fmt: skip
     elif name == "curves":
         for r in result["runs"]:
             out.append(f"curves seed {r['seed']} {r['kind']}: reward {result['target_reward']} after "

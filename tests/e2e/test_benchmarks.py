@@ -140,6 +140,22 @@ def test_b1_runs_the_pipeline_synchronously_and_asynchronously() -> None:
     assert case["sync_staleness_max"] == 0 and 0 <= case["async_staleness_max"] <= 4
 
 
+def test_b7_loads_weights_between_rounds_and_in_flight_on_the_same_workload() -> None:
+    report, _ = run_script(str(REPO / "benchmarks" / "in_flight.py"), "--quick", timeout=600)
+    (case,) = report["cases"]
+    before, after = case["between_rounds"], case["in_flight"]
+    assert (before["mode"], after["mode"], case["max_new_tokens"]) == ("between_rounds", "in_flight", 64)
+    for m in (before, after):
+        assert 0 <= m["actor_idle_frac"] < 1 and 0 <= m["learner_idle_frac"] < 1 and m["completions_per_s"] > 0
+        assert 0 <= m["dropped_stale_frac"] < 1 and m["tokens_stale_masked"] >= 0
+    # Between rounds every answer is one version; in flight, answers span the versions loaded while they were
+    # sampled, so their tokens are younger than their rounds.
+    assert before["versions_per_answer"] == 1 and after["versions_per_answer"] > 1
+    assert after["token_staleness_mean"] < before["token_staleness_mean"]
+    for k in ("actor_idle_frac", "learner_idle_frac", "token_staleness_mean", "completions_per_s"):
+        assert case[f"{k}_ratio"] == pytest.approx(after[k] / before[k]) if before[k] else case[f"{k}_ratio"] is None
+
+
 def test_b5_and_the_runner_write_one_report(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--only", "B4", "--out", str(out)]
