@@ -8,6 +8,9 @@ for a SGLang server with two rounds in flight (``actor.sim_rounds_in_flight=2``,
 ``sglang.rounds_in_flight``): each round of 4 prompts × 8 answers of 1..L tokens (L = ``sampling.max_new_tokens``) is
 paced as a batched decoder at a rate set so that a round takes about one learner step, and the learner trains the
 tiny model (its positions raised to hold the answers) on it, each step padded to at least ``learner.min_step_s``.
+Training on long answers takes longer than the floor (about 15 s a step at 1,024 tokens on 2 cores), and a learner
+far slower than its actor leaves both modes waiting for room with nothing in flight, so a short pilot run first
+measures the learner's step at each length and the floor (and with it the pace) is set 25 % above it.
 Between rounds, the actor lets both rounds finish before it loads a version (no request of its own may straddle
 an update), so its capacity idles while the longer one ends; in flight, it loads the version at once and the rest of
 each answer comes from it.
@@ -30,7 +33,8 @@ from typing import Any
 import harness
 
 GROUP, PROMPTS, ROUNDS = 8, 4, 2
-STEP_S = 1.5  # the learner step's floor (t); a round takes about as long at the rate below
+STEP_S = 1.5  # the learner step's least floor (t); a round takes about as long at the rate below
+PILOT_STEPS = 5
 COMMON = [
     "run.actors=1",
     "actor.engine=sim",
@@ -40,7 +44,6 @@ COMMON = [
     f"actor.prompts_per_round={PROMPTS}",
     f"learner.batch_groups={PROMPTS * ROUNDS}",  # the two rounds in flight make one batch
     "learner.updates_per_batch=1",
-    f"learner.min_step_s={STEP_S}",
     "learner.eval_every=1000000",
     "checkpoint.every=1000000",
     "grader.isolation=inline",
@@ -72,12 +75,22 @@ def actor_idle(run_dir: Path) -> tuple[float, float]:
     raise SystemExit(f"no actor time split in {run_dir / 'logs'}")
 
 
-def measure(mode: str, length: int, steps: int, model: Path, root: Path) -> dict[str, Any]:
+def step_floor(length: int, model: Path, root: Path) -> float:
+    """The learner's step at this length, measured (generation far faster, no floor), plus 25 %; at least STEP_S."""
+    rows = harness.grpo_run([*COMMON, f"model.path={model}", f"run.steps={PILOT_STEPS}",
+                             f"sampling.max_new_tokens={length}", "learner.min_step_s=0",
+                             "actor.sim_tokens_per_s=10000000"], root / f"pilot-{length}", timeout_s=1800)  # fmt: skip
+    train = sorted(r["time/step_s"] - r["time/wait_s"] for r in rows if r["step"] > 1 and "loss" in r)
+    return max(STEP_S, 1.25 * train[len(train) // 2])
+
+
+def measure(mode: str, length: int, steps: int, floor: float, model: Path, root: Path) -> dict[str, Any]:
     tokens_per_round = PROMPTS * GROUP * (length + 1) / 2  # answers of 1..L tokens, (L + 1) / 2 on average
     run_dir = root / f"{mode}-{length}"
-    rows = harness.grpo_run([*COMMON, f"model.path={model}", f"run.steps={steps}", f"sampling.max_new_tokens={length}",
-                             f"actor.sim_tokens_per_s={tokens_per_round / STEP_S:.0f}",
-                             f"actor.weight_updates={mode}"], run_dir, timeout_s=1800)  # fmt: skip
+    pace = [f"learner.min_step_s={floor:.2f}", f"actor.sim_tokens_per_s={tokens_per_round / floor:.0f}"]
+    rows = harness.grpo_run([*COMMON, *pace, f"model.path={model}", f"run.steps={steps}",
+                             f"sampling.max_new_tokens={length}", f"actor.weight_updates={mode}"], run_dir,
+                            timeout_s=1800)  # fmt: skip
     warm = [r for r in rows if r["step"] > 2 and "loss" in r]  # (not the evaluation-only rows)
     summary = json.loads((run_dir / "summary.json").read_text())
     idle, waiting = actor_idle(run_dir)
@@ -95,18 +108,20 @@ def measure(mode: str, length: int, steps: int, model: Path, root: Path) -> dict
         "completions_per_s": sum(r["groups_consumed"] for r in warm[1:]) * GROUP / span,
         "dropped_stale_frac": summary["groups_dropped"].get("stale", 0) / max(summary["groups_produced"], 1),
         "steps": steps,
+        "learner_step_floor_s": floor,
     }
 
 
 def run(quick: bool, lengths: tuple[int, ...] = (256, 1024), steps: int | None = None) -> dict[str, Any]:
-    steps = steps or (8 if quick else 24)
     lengths = (64,) if quick else lengths
     cases = []
     with tempfile.TemporaryDirectory(prefix="grpo-bench-in-flight-") as tmp:
         model = long_model(Path(tmp), max(lengths) + 64)
         for length in lengths:
-            before = measure("between_rounds", length, steps, model, Path(tmp))
-            after = measure("in_flight", length, steps, model, Path(tmp))
+            n = steps or (8 if quick else 24 if length <= 256 else 12)  # long steps are slow: fewer of them
+            floor = STEP_S if quick else step_floor(length, model, Path(tmp))
+            before = measure("between_rounds", length, n, floor, model, Path(tmp))
+            after = measure("in_flight", length, n, floor, model, Path(tmp))
             keys = ("actor_idle_frac", "learner_idle_frac", "token_staleness_mean", "completions_per_s")
             ratios = {f"{k}_ratio": after[k] / before[k] if before[k] else None for k in keys}
             cases.append({"max_new_tokens": length, "between_rounds": before, "in_flight": after, **ratios})
@@ -118,7 +133,7 @@ def run(quick: bool, lengths: tuple[int, ...] = (256, 1024), steps: int | None =
 def main() -> int:
     p = harness.parser(__doc__, "answers of up to 64 tokens, 8 steps per run")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024], help="sampling.max_new_tokens of each case")
-    p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 8 quick, 24 full)")
+    p.add_argument("--steps", type=int, default=None, help="learner steps per run (8 quick; 24, above 256 tokens 12)")
     args = p.parse_args()
     return harness.emit(run(args.quick, tuple(args.lengths), args.steps), args.out)
 
