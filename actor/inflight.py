@@ -8,7 +8,8 @@ its weights only between requests (an update waits for the requests in flight, S
 so one reply is one version; where a server reports none, the version held when the round was sent.
 
 With ``k`` = 1 (the local engine, the synchronous baseline) a round is generated in the caller's thread, exactly as
-a round always was. Pure bookkeeping and a thread pool; the loop (:mod:`actor.loop`) does the Redis side.
+a round always was, unless in-flight updates load versions while the caller waits for it (:func:`sampled_aside`).
+Pure bookkeeping and a thread pool; the loop (:mod:`actor.loop`) does the Redis side.
 """
 
 from __future__ import annotations
@@ -46,13 +47,19 @@ def rounds_in_flight(cfg: Config, engine: Engine) -> int:
     return k if concurrent and not cfg.actor.synchronous else 1
 
 
+def sampled_aside(cfg: Config, engine: Engine) -> bool:
+    """With in-flight updates the actor loads versions into an engine that batches concurrent requests (SGLang) while
+    it waits for a round, so even one round in flight is generated in another thread."""
+    return cfg.actor.weight_updates == "in_flight" and bool(getattr(engine, "batches_concurrent_requests", False))
+
+
 class InFlight:
-    def __init__(self, actor_id: str, engine: Engine, k: int):
+    def __init__(self, actor_id: str, engine: Engine, k: int, aside: bool = False):
         self.id = actor_id
         self.engine = engine
         self.k = k
         self.pending: deque[Round] = deque()
-        self._pool = ThreadPoolExecutor(k, thread_name_prefix="generate") if k > 1 else None
+        self._pool = ThreadPoolExecutor(k, thread_name_prefix="generate") if k > 1 or aside else None
 
     def holders(self) -> list[str]:
         """Every holder name this actor may reserve under (renewed with each heartbeat, released on the way out)."""

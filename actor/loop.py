@@ -19,10 +19,10 @@ import numpy as np
 
 from actor.engine_protocol import BetweenRounds, Engine, EngineError
 from actor.filter import Decision, ZeroStdFilter, filtered_stats, overlong_penalties, shaped
-from actor.inflight import InFlight, Round, rounds_in_flight
+from actor.inflight import InFlight, Round, rounds_in_flight, sampled_aside
 from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
 from actor.prompts import PromptSource
-from actor.updates import Backoff, in_flight_updates
+from actor.updates import Backoff, in_flight_updates, same_lineage
 from common.config import Config
 from common.metrics import ActorMetrics
 from common.model.generation import Sample
@@ -77,9 +77,10 @@ class Actor:
         self.groups_sent = 0
         self.rounds = 0
         self.version_sampled = engine.version  # the policy version of the round being graded and sent
-        self.in_flight = InFlight(actor_id, engine, rounds_in_flight(cfg, engine))
+        self.in_flight = InFlight(actor_id, engine, rounds_in_flight(cfg, engine), sampled_aside(cfg, engine))
         # actor.weight_updates in_flight: versions loaded while rounds are sampled (actor.updates)
-        self.updates = in_flight_updates(cfg, engine, self._newer, self._load, lambda: bool(self._pubsub.get_message()))
+        self.updates = in_flight_updates(cfg, engine, self._newer, self._load, lambda: bool(self._pubsub.get_message()),
+                                         lambda a: same_lineage(self._epochs, self.engine.version, a))  # fmt: skip
         self._epochs: dict[int, int] = {}  # version -> epoch, from the announcements this actor read
         self._prompt_ids: dict[str, list[int]] = {}
         self._malformed_seen: set[str] = set()  # reasons already said for malformed announcements
@@ -133,12 +134,12 @@ class Actor:
     # -- steps --------------------------------------------------------------------------------------------------
 
     def reload_weights(self) -> None:
-        """Load the announced version if it differs from ours, between rounds (with in-flight updates, the rounds
-        of an engine that keeps several going are paused for it, see actor.sglang_engine; else they finish first)."""
+        """Load the announced version if it differs from ours, between rounds (in flight, an engine's other rounds
+        are paused for it, see actor.sglang_engine, unless a restarted learner published it; else they finish)."""
         ann = self._newer()
         if ann is None:
             return
-        if self.updates is None:
+        if self.updates is None or not same_lineage(self._epochs, self.engine.version, ann):
             self.in_flight.settle(self.heartbeat)  # no request of ours between the update and its cache flush
         self._load(ann)
 

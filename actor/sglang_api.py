@@ -87,10 +87,9 @@ def spans(meta: dict[str, Any], length: int) -> tuple[tuple[str, int], ...]:
 def parse_samples(reply: Any, n_prompts: int, n: int, *, mixed: bool = False) -> tuple[list[list[Sample]], str | None]:
     """The reply of :func:`generate_request` as ``n`` samples per prompt, and the ``weight_version`` its newest
     completion ended with (None when the server reports none). With ``mixed`` (in-flight updates), each sample says
-    which versions its tokens came from (``Sample.versions``, where the server reports spans); without, every
-    completion must come
-    from one and the same version (another client updating the server's weights is an error). Raises
-    :class:`EngineError` when the reply has the wrong shape or a request was aborted."""
+    which versions its tokens came from (``Sample.versions``: the server's spans, required); without, every
+    completion must come from one and the same version (another client updating the server's weights is an error).
+    Raises :class:`EngineError` when the reply has the wrong shape or a request was aborted."""
     items = reply if isinstance(reply, list) else [reply]
     if len(items) != n_prompts * n:
         raise EngineError(f"/generate returned {len(items)} completions for {n_prompts} prompts x {n}")
@@ -100,6 +99,11 @@ def parse_samples(reply: Any, n_prompts: int, n: int, *, mixed: bool = False) ->
         sample, runs = _sample(item, i)
         served = [v for v, _ in runs] or [v for v in [item["meta_info"].get("weight_version")] if v is not None]
         versions.update(str(v) for v in served)
+        if mixed and not runs and sample.token_ids:
+            # SGLang (0.5.23 on) gives every finished request its spans; without them no token's version is known,
+            # and stamping them all with the newest would hide their age from the learner.
+            raise EngineError(f"/generate reply {i} has no meta_info.weight_versions: in-flight updates need a SGLang "
+                              "server that reports which version produced which tokens (0.5.23 or newer)")  # fmt: skip
         if mixed and runs:
             sample = Sample(sample.token_ids, sample.logprobs, sample.finish_reason,
                             tuple((version_number(v), k) for v, k in runs))  # fmt: skip

@@ -12,7 +12,7 @@ most once per announcement within a round, so that a version that cannot be load
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +56,11 @@ class InFlightUpdates:
         woken: Callable[[], bool],
         every_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        midway: Callable[[WeightsAnnouncement], bool] = lambda ann: True,
     ):
         self.newer = newer  # the announcement to load, or None (the actor's rules: format, backoff)
+        self.midway = midway  # whether it may be loaded mid-round (else it waits for the round's end)
         self._load = load
         self.woken = woken  # whether a weights announcement arrived since it was last asked
         self.every_s = every_s
@@ -71,7 +74,7 @@ class InFlightUpdates:
         if self._due is None and (self.woken() or self.clock() >= self._next_read):
             self._next_read = self.clock() + self.every_s
             ann = self.newer()
-            if ann is not None and key(ann) not in self._tried:
+            if ann is not None and key(ann) not in self._tried and self.midway(ann):
                 self._due = ann
         return self._due is not None
 
@@ -88,19 +91,27 @@ class InFlightUpdates:
         self._tried.clear()
 
 
+def same_lineage(epochs: Mapping[int, int], held: int, ann: WeightsAnnouncement) -> bool:
+    """Whether ``ann`` was published by the learner lineage (epoch) that published the version held, or that one's is
+    not known. A restarted learner's versions never meet a dead branch's in one answer: the learner ages tokens by
+    version number within the answer's epoch, so they are loaded between rounds, with none in flight."""
+    return epochs.get(held, ann.epoch) == ann.epoch
+
+
 def in_flight_updates(
     cfg: Config,
     engine: Engine,
     newer: Callable[[], WeightsAnnouncement | None],
     load: Callable[[WeightsAnnouncement], object],
     woken: Callable[[], bool],
+    midway: Callable[[WeightsAnnouncement], bool],
 ) -> InFlightUpdates | None:
     """The actor's in-flight updates where ``actor.weight_updates`` asks for them: handed to an engine that samples
     in the actor's thread (local, sim: it asks between two decode steps); for one that samples in other threads
     (SGLang's rounds) the actor asks while it waits for them."""
     if cfg.actor.weight_updates != "in_flight":
         return None
-    updates = InFlightUpdates(newer, load, woken)
+    updates = InFlightUpdates(newer, load, woken, midway=midway)
     if hasattr(engine, "updates") and not getattr(engine, "batches_concurrent_requests", False):
         engine.updates = updates
     return updates

@@ -108,7 +108,7 @@ def agrees_with_sglang(requests: list[tuple[str, Any]]) -> None:
             schema.GenerateRequest.from_json_value(body)
 
 
-def test_between_rounds_a_reply_of_two_versions_is_still_refused() -> None:
+def test_between_rounds_a_reply_of_two_versions_is_still_refused_and_in_flight_one_without_spans() -> None:
     from actor.engine_protocol import EngineError
     from actor.sglang_api import parse_samples
 
@@ -123,3 +123,8 @@ def test_between_rounds_a_reply_of_two_versions_is_still_refused() -> None:
     bad = {**item, "meta_info": {**item["meta_info"], "weight_versions": [{"version": "3", "start": 0, "end": 2}]}}
     with pytest.raises(EngineError, match="do not cover the 3 output tokens"):
         parse_samples([bad], 1, 1, mixed=True)
+    # In flight, a reply without spans is refused: stamping every token with the newest version would hide its age.
+    bare = {**item, "meta_info": {k: v for k, v in item["meta_info"].items() if k != "weight_versions"}}
+    assert parse_samples([bare], 1, 1)[1] == "4"  # between rounds, the reply's one version is enough
+    with pytest.raises(EngineError, match=r"no meta_info\.weight_versions"):
+        parse_samples([bare], 1, 1, mixed=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from actor.recompute import generate_recomputing, joined, unfinished
-from actor.updates import InFlightUpdates
+from actor.updates import InFlightUpdates, same_lineage
 from common.model.generation import Sample, version_runs
 from common.schemas import Completion, GroupMessage, WeightsAnnouncement
 from learner.batch import assemble, version_spread
@@ -103,6 +103,22 @@ def test_in_flight_updates_read_redis_when_woken_or_now_and_then_and_try_a_versi
     announced[0] = ann(5)
     u.load()  # what was due is what is loaded
     assert loaded == [4, 4]
+
+
+def test_a_restarted_learners_version_waits_for_the_round_end() -> None:
+    """Versions of another epoch (a learner that restarted from a checkpoint) are not loaded mid-answer: the learner
+    ages an answer's tokens by version number within its epoch, which a dead branch's would break."""
+    epochs = {7: 1, 8: 1}
+    assert same_lineage(epochs, 7, replace(ann(9), epoch=1))
+    assert not same_lineage(epochs, 8, replace(ann(9), epoch=2))
+    assert same_lineage({}, 8, replace(ann(9), epoch=2))  # the held version's epoch not known: as before
+    loaded: list[int] = []
+    u = InFlightUpdates(lambda: replace(ann(9), epoch=2), lambda a: loaded.append(a.version), lambda: True,
+                        midway=lambda a: same_lineage(epochs, 8, a))  # fmt: skip
+    assert not u.due()
+    u = InFlightUpdates(lambda: replace(ann(9), epoch=1), lambda a: loaded.append(a.version), lambda: True,
+                        midway=lambda a: same_lineage(epochs, 8, a))  # fmt: skip
+    assert u.due()
 
 
 def group(versions: list[list[tuple[int, int]] | None], policy_version: int) -> GroupMessage:

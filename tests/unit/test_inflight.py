@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from actor.inflight import InFlight, rounds_in_flight
+from actor.inflight import InFlight, rounds_in_flight, sampled_aside
 from common.config import load_config
 from common.model.generation import Sample
 from common.tasks import Problem
@@ -85,4 +85,26 @@ def test_settling_waits_for_every_round_and_keeps_them_in_order() -> None:
     f.settle(lambda: beats.append(1))
     assert beats and all(r.future is not None and r.future.done() for r in (first, second))
     assert f.finish_oldest(lambda: None) is first and f.finish_oldest(lambda: None) is second
+    f.close()
+
+
+def test_with_in_flight_updates_even_one_round_of_a_batching_engine_is_generated_aside() -> None:
+    """The actor loads versions into SGLang while it waits for a round (actor.loop._while_sampling): a round generated
+    in its own thread would leave it nothing to wait in, and no version would ever land mid-round."""
+    cfg = load_config(None, ["sglang.rounds_in_flight=1", "actor.weight_updates=in_flight"], env={})
+    engine = Engine()
+    assert rounds_in_flight(cfg, engine) == 1 and sampled_aside(cfg, engine)  # type: ignore[arg-type]
+    assert not sampled_aside(cfg, object())  # type: ignore[arg-type]  # the local engine asks between decode steps
+    cfg.actor.weight_updates = "between_rounds"
+    assert not sampled_aside(cfg, engine)  # type: ignore[arg-type]
+    f = InFlight("a", engine, 1, aside=True)
+    waits: list[int] = []
+    rnd = f.start("a", problems(1), [[5]], 2)
+    assert rnd.future is not None and f.free_holder() is None  # generating in another thread
+
+    def wait() -> None:
+        waits.append(1)
+        engine.release.set()  # the server replies only once the actor has been waiting
+
+    assert f.finish_oldest(wait) is rnd and waits and engine.calls == 1
     f.close()
