@@ -119,18 +119,25 @@ def _penalties(groups: list[GroupMessage], group_size: int) -> torch.Tensor | No
     return torch.from_numpy(np.concatenate([zeros if g.penalties is None else g.penalties for g in groups]))
 
 
+AGE_BUCKETS = 3  # tokens/age_0 … age_2 one key each, older ones together (max_staleness is 2 by default)
+
+
 def version_spread(batch: Batch) -> dict[str, float]:
     """How old the completion tokens are and how many versions each answer spans (in-flight updates spread an
     answer over several): ``staleness/token_mean``, ``staleness/token_max``, ``versions/per_answer`` (mean) and
-    ``versions/mixed_frac`` (the share of answers with tokens of more than one version)."""
+    ``versions/mixed_frac`` (the share of answers with tokens of more than one version), and the tokens per version
+    as shares by age: ``tokens/age_0`` (the learner's own version) … ``tokens/age_2``, ``tokens/age_3plus``."""
     on = batch.loss_mask > 0
     ages = batch.token_staleness[on].float()
     per_answer = batch.versions_per_answer.float()
+    by_age = torch.bincount(ages.long().clamp(0, AGE_BUCKETS), minlength=AGE_BUCKETS + 1) / max(ages.numel(), 1)
     return {
         "staleness/token_mean": float(ages.mean()) if ages.numel() else 0.0,
         "staleness/token_max": float(ages.max()) if ages.numel() else 0.0,
         "versions/per_answer": float(per_answer.mean()),
         "versions/mixed_frac": float((per_answer > 1).float().mean()),
+        **{f"tokens/age_{a}": float(by_age[a]) for a in range(AGE_BUCKETS)},
+        f"tokens/age_{AGE_BUCKETS}plus": float(by_age[AGE_BUCKETS]),
     }
 
 

@@ -138,7 +138,9 @@ def test_each_token_is_as_old_as_its_version_and_the_spread_is_reported() -> Non
     on = b.loss_mask > 0
     assert [b.token_staleness[i][on[i]].tolist() for i in range(4)] == [[3, 1, 1], [1, 1, 1], [2, 2, 2], [2, 2, 2]]
     assert version_spread(b) == pytest.approx({"staleness/token_mean": 20 / 12, "staleness/token_max": 3.0,
-                                                "versions/per_answer": 1.25, "versions/mixed_frac": 0.25})  # fmt: skip
+                                                "versions/per_answer": 1.25, "versions/mixed_frac": 0.25,
+                                                "tokens/age_0": 0.0, "tokens/age_1": 5 / 12, "tokens/age_2": 6 / 12,
+                                                "tokens/age_3plus": 1 / 12})  # fmt: skip
 
 
 def with_runs(g: GroupMessage, first_version: int, first_logprob: float) -> GroupMessage:
