@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actor.engine_protocol import BetweenRounds, Engine, Updates
+from actor.engine_protocol import BetweenRounds, Engine, Updates, load_if_due
 from actor.recompute import generate_recomputing
 from common.config import Config
 from common.cores import core_borrower
@@ -83,7 +83,7 @@ class LocalEngine:
         if self.cfg.actor.in_flight_kv == "recompute":
             return generate_recomputing(lambda p, k, most, ask: self._generate(p, k, most, interrupt=ask),
                                         prompts, n, limit, updates)  # fmt: skip
-        return self._generate(prompts, n, limit, between_steps=lambda: _load_if_due(updates))
+        return self._generate(prompts, n, limit, between_steps=lambda: load_if_due(updates))
 
     def _generate(
         self,
@@ -223,11 +223,6 @@ class LocalEngine:
             self.leave_group(self._group[0])
 
 
-def _load_if_due(updates: Updates) -> None:
-    if updates.due():
-        updates.load()
-
-
 class SimEngine:
     """Uniformly random completions, produced no faster than ``actor.sim_tokens_per_s``: a load generator.
 
@@ -297,8 +292,8 @@ class SimEngine:
             versions[done:reached] = self.version
             done = max(done, reached)
             if done < steps:
-                if updates is not None and updates.due():
-                    updates.load()
+                if updates is not None:
+                    load_if_due(updates)
                 time.sleep(max(0.0, min(self._SLICE_S, float(ends[done]) - time.perf_counter())))
         return [[replace(s, versions=version_runs(versions[: len(s.token_ids)].tolist())) for s in g] for g in groups]
 

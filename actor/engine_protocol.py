@@ -53,3 +53,8 @@ class Updates(Protocol):
         """Load the announced version now (the engine's version changes, or stays where the load was refused: then
         it is not due again within this round)."""
         ...
+
+
+def load_if_due(updates: Updates) -> None:
+    if updates.due():
+        updates.load()

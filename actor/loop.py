@@ -17,12 +17,12 @@ from typing import Any, cast
 
 import numpy as np
 
-from actor.engine_protocol import BetweenRounds, Engine, EngineError
+from actor.engine_protocol import BetweenRounds, Engine, EngineError, load_if_due
 from actor.filter import Decision, ZeroStdFilter, filtered_stats, overlong_penalties, shaped
 from actor.inflight import InFlight, Round, rounds_in_flight, sampled_aside
 from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
 from actor.prompts import PromptSource
-from actor.updates import Backoff, in_flight_updates, same_lineage
+from actor.updates import Backoff, announcement_key, in_flight_updates, same_lineage
 from common.config import Config
 from common.metrics import ActorMetrics
 from common.model.generation import Sample
@@ -161,14 +161,14 @@ class Actor:
                     ann.version,
                 )
             return None
-        if self._load_backoff.waiting((ann.version, ann.uri, ann.digest), time.monotonic()):
+        if self._load_backoff.waiting(announcement_key(ann), time.monotonic()):
             return None
         return ann
 
     def _load(self, ann: WeightsAnnouncement) -> bool:
         """Load ``ann`` into the engine; False when it kept its weights (refused: counted, backed off; or a version
         it takes only between rounds, asked for mid-round)."""
-        key = (ann.version, ann.uri, ann.digest)
+        key = announcement_key(ann)
         t0 = time.perf_counter()
         try:
             nbytes = self.engine.load(ann)
@@ -243,8 +243,8 @@ class Actor:
         """Called every 0.2 s while the actor waits for a round: heartbeats, and with in-flight updates on an engine
         that samples in other threads (SGLang's rounds), a new version loaded as soon as it is announced."""
         self.heartbeat()
-        if self.updates is not None and getattr(self.engine, "updates", None) is None and self.updates.due():
-            self.updates.load()
+        if self.updates is not None and getattr(self.engine, "updates", None) is None:
+            load_if_due(self.updates)
 
     def _send_rounds_in_flight(self) -> None:
         """Asked to stop: the rounds already generating are finished and sent (each within

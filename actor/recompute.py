@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from actor.engine_protocol import Updates
-from common.model.generation import Sample
+from common.model.generation import Sample, merged_runs
 
 # generate(prompts, n, max_new_tokens, interrupt) -> n samples per prompt, prompt-major
 Generate = Callable[[Sequence[Sequence[int]], int, int, Callable[[], bool]], list[list[Sample]]]
@@ -23,13 +23,8 @@ def unfinished(sample: Sample, limit: int) -> bool:
 
 def joined(head: Sample, tail: Sample) -> Sample:
     """An answer's tokens before the load and after it, as one sample (the version runs meeting where they may)."""
-    runs = list(head.versions)
-    for v, k in tail.versions:
-        if runs and runs[-1][0] == v:
-            runs[-1] = (v, runs[-1][1] + k)
-        else:
-            runs.append((v, k))
-    return Sample(head.token_ids + tail.token_ids, head.logprobs + tail.logprobs, tail.finish_reason, tuple(runs))
+    runs = merged_runs((*head.versions, *tail.versions))
+    return Sample(head.token_ids + tail.token_ids, head.logprobs + tail.logprobs, tail.finish_reason, runs)
 
 
 def generate_recomputing(

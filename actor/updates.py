@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actor.engine_protocol import Engine
+from actor.inflight import sampled_aside
 from common.config import Config
 from common.schemas import WeightsAnnouncement
 
@@ -44,7 +45,8 @@ class Backoff:
         return delay
 
 
-def key(ann: WeightsAnnouncement) -> tuple[int, str, str]:
+def announcement_key(ann: WeightsAnnouncement) -> tuple[int, str, str]:
+    """What tells one announcement's weights from another's (a version republished elsewhere or altered is new)."""
     return ann.version, ann.uri, ann.digest
 
 
@@ -74,7 +76,7 @@ class InFlightUpdates:
         if self._due is None and (self.woken() or self.clock() >= self._next_read):
             self._next_read = self.clock() + self.every_s
             ann = self.newer()
-            if ann is not None and key(ann) not in self._tried and self.midway(ann):
+            if ann is not None and announcement_key(ann) not in self._tried and self.midway(ann):
                 self._due = ann
         return self._due is not None
 
@@ -82,7 +84,7 @@ class InFlightUpdates:
         ann, self._due = self._due, None
         if ann is None:
             return
-        self._tried.add(key(ann))
+        self._tried.add(announcement_key(ann))
         if self._load(ann):
             self.loads += 1
 
@@ -112,6 +114,6 @@ def in_flight_updates(
     if cfg.actor.weight_updates != "in_flight":
         return None
     updates = InFlightUpdates(newer, load, woken, midway=midway)
-    if hasattr(engine, "updates") and not getattr(engine, "batches_concurrent_requests", False):
+    if hasattr(engine, "updates") and not sampled_aside(cfg, engine):
         engine.updates = updates
     return updates

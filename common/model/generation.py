@@ -12,7 +12,7 @@ completions. Greedy decoding (evaluation) records nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,13 +34,18 @@ class Sample:
 
 def version_runs(versions: Sequence[int]) -> tuple[tuple[int, int], ...]:
     """Per-token versions → (version, tokens) runs: ``[3, 3, 4]`` → ``((3, 2), (4, 1))``."""
-    runs: list[list[int]] = []
-    for v in versions:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
+    return merged_runs((v, 1) for v in versions)
+
+
+def merged_runs(runs: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """(version, tokens) runs, neighbours of one version joined: ``((3, 1), (3, 2), (4, 1))`` → ``((3, 3), (4, 1))``."""
+    out: list[tuple[int, int]] = []
+    for v, k in runs:
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1] + k)
         else:
-            runs.append([v, 1])
-    return tuple((v, n) for v, n in runs)
+            out.append((v, k))
+    return tuple(out)
 
 
 def split_at_stop(tokens: Sequence[int], stop_ids: set[int]) -> tuple[list[int], str]:

@@ -73,10 +73,6 @@ class VersionRuns:
     def newest(self) -> int:
         return int(self.versions.max())
 
-    def per_completion(self) -> np.ndarray:
-        """int32 (G,): how many versions each completion's tokens came from."""
-        return self.counts
-
     def fields(self) -> dict[str, np.ndarray]:
         return {"runs": self.counts, "version": self.versions, "tokens": self.tokens}
 

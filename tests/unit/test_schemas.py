@@ -162,7 +162,7 @@ def test_tokens_of_several_versions_travel_as_runs_and_a_single_version_sends_no
     assert back.columns.runs.token_versions().tolist() == [6, 7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5]
     assert back.completions[0].runs.tolist() == [[6, 1], [7, 2]]  # type: ignore[union-attr]
     assert back.completions[1].runs.tolist() == [[7, 3]]  # type: ignore[union-attr]
-    assert back.columns.runs.per_completion().tolist() == [2, 1, 1, 1]
+    assert back.columns.runs.counts.tolist() == [2, 1, 1, 1]
     # Every token of the group's own version: nothing to say, nothing sent.
     same = [replace(c, runs=np.array([[7, 3]])) for c in make_group().completions]
     assert "versions" not in body(make_group(completions=same))["completions"]
