@@ -44,11 +44,6 @@ class Batch:
         """(B,) each row's real tokens, prompt and completion (the rest of the row is right padding)."""
         return self.attention_mask.sum(dim=1)
 
-    @property
-    def row_staleness(self) -> torch.Tensor:
-        """(B,) the staleness of each completion's group."""
-        return self.staleness.repeat_interleave(self.group_size)
-
     def to(self, device: torch.device | str) -> Batch:
         tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
         return replace(self, **{k: v.to(device) for k, v in tensors.items() if v is not None})
