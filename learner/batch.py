@@ -2,7 +2,13 @@
 
 Layout: row i is ``prompt + completion`` right-padded to the longest row, so position ids are 0..L−1 for real tokens
 as in generation. Everything per token lives in the shifted space (B, L−1): entry t is the log-prob of token t+1
-given tokens ≤ t, and ``loss_mask`` marks the completion tokens (the prompt is never trained on).
+given tokens ≤ t, and ``loss_mask`` marks the completion tokens the model wrote (the prompt is never trained on).
+
+Multi-turn episodes (common.schemas.masks): the tokens an environment wrote into a completion (a tool's output) are
+in ``input_ids``, since the model conditions on them, but not in ``loss_mask``, and their behaviour log-prob (NaN on
+the wire) is 0 here, chosen with ``where``, never multiplied by the mask (NaN × 0 is NaN). Every per-token figure
+reads ``loss_mask``, so the token counts of the loss (dapo's divisor, grpo's per-answer means), the clip, KL,
+mismatch and staleness figures and the completion lengths count the model's tokens alone.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from common.schemas import Completions, FilteredStats, GroupMessage
 class Batch:
     input_ids: torch.Tensor  # (B, L) long
     attention_mask: torch.Tensor  # (B, L) long
-    loss_mask: torch.Tensor  # (B, L-1) float: 1 where the target is a completion token
-    behavior_logprobs: torch.Tensor  # (B, L-1) float32, 0 outside the mask
+    loss_mask: torch.Tensor  # (B, L-1) float: 1 where the target is a completion token the model wrote
+    behavior_logprobs: torch.Tensor  # (B, L-1) float32, 0 outside the mask (the environment's tokens included)
     rewards: torch.Tensor  # (B,) float32, group-contiguous
     group_size: int
     staleness: torch.Tensor  # (G,) long: learner version − policy version, per group
@@ -37,6 +43,7 @@ class Batch:
 
     @property
     def completion_lengths(self) -> torch.Tensor:
+        """(B,) each completion's tokens the model wrote (an environment's are input, not answer)."""
         return self.loss_mask.sum(dim=1)
 
     @property
@@ -69,8 +76,11 @@ def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> B
     for g, c in zip(groups, cols, strict=True):
         prompt = torch.from_numpy(g.prompt_ids.astype(np.int64))
         tokens = torch.from_numpy(c.token_ids.astype(np.int64))
-        logprobs = torch.from_numpy(c.logprobs.astype(np.float32))  # a writable copy of the message's bytes
-        age = _token_ages(c, learner_version - g.policy_version)
+        model = np.ones(len(c.token_ids), np.bool_) if c.mask is None else c.mask > 0
+        # 0 where the environment wrote the token (its NaN never reaches a tensor), and a writable copy either way.
+        logprobs = torch.from_numpy(np.where(model, c.logprobs, np.float32(0.0)).astype(np.float32, copy=False))
+        written = torch.from_numpy(model.astype(np.float32))
+        age = torch.where(written > 0, _token_ages(c, learner_version - g.policy_version), 0)
         p, offsets = len(prompt), c.offsets.tolist()
         for a, e in pairwise(offsets):
             n = e - a
@@ -78,7 +88,7 @@ def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> B
             input_ids[row, p : p + n] = tokens[a:e]
             attention[row, : p + n] = 1
             # Token p+j is predicted at shifted position p+j−1.
-            mask[row, p - 1 : p - 1 + n] = 1.0
+            mask[row, p - 1 : p - 1 + n] = written[a:e]
             behavior[row, p - 1 : p - 1 + n] = logprobs[a:e]
             ages[row, p - 1 : p - 1 + n] = age[a:e]
             row += 1
@@ -112,6 +122,14 @@ def _penalties(groups: list[GroupMessage], group_size: int) -> torch.Tensor | No
         return None
     zeros = np.zeros(group_size, np.float32)
     return torch.from_numpy(np.concatenate([zeros if g.penalties is None else g.penalties for g in groups]))
+
+
+def env_share(groups: list[GroupMessage]) -> dict[str, float]:
+    """``tokens/env_frac``: the share of the batch's completion tokens an environment wrote (tool output in
+    multi-turn episodes; 0 when none), which the model reads but is not trained on."""
+    total = sum(len(g.columns.token_ids) for g in groups)
+    env = sum(int(np.count_nonzero(m == 0)) for g in groups if (m := g.columns.mask) is not None)
+    return {"tokens/env_frac": env / max(total, 1)}
 
 
 AGE_BUCKETS = 3  # tokens/age_0 … age_2 one key each, older ones together (max_staleness is 2 by default)

@@ -174,7 +174,9 @@ def importance_weights(
     """
     if mode not in ("truncate", "mask"):
         raise ValueError(f"mode must be truncate or mask, not {mode!r}")
-    raw = torch.exp((proximal - behavior) * mask)
+    # where, not a product with the mask: a behaviour log-prob outside it (an environment's token has none) must not
+    # reach the exponential, and NaN × 0 is NaN.
+    raw = torch.exp(torch.where(mask > 0, proximal - behavior, torch.zeros_like(proximal)))
     if mode == "truncate":
         weights = torch.clamp(raw, max=cap)
         cut = raw > cap

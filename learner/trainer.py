@@ -17,6 +17,8 @@ Departures from the textbook, each a config choice (the loss itself is learner.l
   (a NaN or infinity anywhere in the loss or its gradient) is not applied and is counted
   (``updates_skipped_nonfinite``); the step's ``loss`` and ``grad_norm`` are the means over the updates applied (NaN
   when none was: the learner then drops the step's groups as ``nonfinite``, see learner.loop);
+- the tokens an environment wrote into a multi-turn episode (tool output) are the model's input but never in the
+  loss: ``assemble`` leaves them out of ``loss_mask``, which every count and figure below reads (learner.batch);
 - the learning rate warms up linearly over ``warmup_steps`` optimizer steps, then stays or decays (learner.schedule).
 """
 
@@ -36,7 +38,7 @@ from common.grpo.logprobs import gather_tokens, scaled_log_softmax
 from common.hardware import describe_device, resolve_bf16
 from common.model.lora import is_lora
 from common.schemas import FilteredStats, GroupMessage
-from learner.batch import Batch, assemble, micro_batches, sampled_reward_stats, version_spread
+from learner.batch import Batch, assemble, env_share, micro_batches, sampled_reward_stats, version_spread
 from learner.distributed import Ranks
 from learner.loss import grpo_loss, importance_weights, micro_batch_weight
 from learner.packing import pack, unpack
@@ -138,6 +140,7 @@ class Trainer:
             "staleness/mean": float(batch.staleness.float().mean()),
             "staleness/max": float(batch.staleness.max()),
             **version_spread(batch),
+            **env_share(groups),
             "tokens/stale_masked": stale_tokens,
             "groups_forwarded_zero_std": float(sum(g.zero_std for g in groups)),
             "tokens": float(mask.sum()),

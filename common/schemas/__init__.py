@@ -6,13 +6,14 @@ Messages
     One prompt, its G completions with their behaviour log-probs and rewards, stamped with the policy version that
     generated them. Invariants, checked by :func:`decode_group`:
 
-    - ``v`` is :data:`SCHEMA_VERSION` (or 1, 2 or 3, read for groups still in a stream written by an older build) and
+    - ``v`` is :data:`SCHEMA_VERSION` (or 1 to 4, read for groups still in a stream written by an older build) and
       ``type`` is ``"group"``; no unknown keys anywhere;
     - arrays travel as ``{"dtype": ..., "data": <little-endian bytes>}``, never as lists of numbers;
     - every completion has as many behaviour log-probs as tokens (at least one), log-probs are in
       [:data:`LOGPROB_FLOOR` = −1e4, 0]: a sampled token's log-prob is ≤ 0, and no sampler can draw a token whose
       probability its float format rounds to 0 (below e^-104 in float32, e^-745 in float64), so anything lower is
-      corrupt (−1e30 made every update of a step non-finite);
+      corrupt (−1e30 made every update of a step non-finite); an environment token's (see ``mask``) may be NaN, a
+      model token's never;
     - rewards are finite and in [0, 1]; ``policy_version`` ≥ 0; ``finish_reason`` is stop | length | abort;
     - ``zero_std`` is true only when the actor forwarded an all-equal group because its resampling budget ran out;
     - ``penalties`` (optional, float32, G, each in [−overlong_factor, 0]): DAPO's overlong penalty of each
@@ -29,21 +30,30 @@ Messages
       adding up to its length). Sent by actors that load weights mid-answer (``actor.weight_updates: in_flight``)
       when some token is older than the group's ``policy_version``, which is then the newest version any token
       holds; absent, every token is ``policy_version``'s.
+    - ``completions.mask`` (optional, version 5): which tokens the model wrote (1) and which the environment did (0:
+      a tool's output in a multi-turn episode, fed to the model but never trained on, its log-prob NaN), run-length
+      encoded per completion as ``versions`` is (common.schemas.masks): ``runs`` (int32, G: runs per completion,
+      each ≥ 1), ``value`` and ``tokens`` (int32, one per run: value 0 or 1, each run ≥ 1 token, a completion's runs
+      adding up to its length, and at least one model token per completion). Sent only when some token of the group
+      is the environment's; absent, every token is the model's. In memory: ``Completion.mask`` (uint8, L) and the
+      column ``Completions.mask`` (uint8, N, or None).
 
-Layout (version 4). The G completions travel as columns, not as G maps: ``completions`` is one map of
+Layout (version 5). The G completions travel as columns, not as G maps: ``completions`` is one map of
 ``lengths`` (int32, G), ``token_ids`` and ``logprobs`` (every completion's, end to end, ``sum(lengths)`` each),
 ``rewards`` (float64, G) and ``finish_reasons`` (G strings)::
 
-    {"v": 4, "type": "group", "group_id": str, "prompt_id": str, "policy_version": int, "actor_id": str,
+    {"v": 5, "type": "group", "group_id": str, "prompt_id": str, "policy_version": int, "actor_id": str,
      "created_at": float, "prompt_ids": array, "zero_std": bool, ["penalties": array,] ["epoch": int,]
      "completions": {"lengths": array, "token_ids": array, "logprobs": array, "rewards": array,
-                     "finish_reasons": [str, ...], ["versions": {"runs", "version", "tokens"}]}}
+                     "finish_reasons": [str, ...], ["versions": {"runs", "version", "tokens"},]
+                     ["mask": {"runs", "value", "tokens"}]}}
 
 Why columns: a group is a handful of arrays whatever G is, so packing, unpacking and checking it costs a few numpy
 calls instead of G small maps of nested maps; that halved the cost of moving a group through Redis (benchmark
-B3). Version 3 was this layout without ``versions``, version 2 it with ``filtered`` and without ``penalties``;
-version 1 carried ``completions`` as a list of ``{"token_ids", "logprobs", "reward", "finish_reason"}`` maps; the
-decoder still reads all three, so groups left in a stream by an older build are trained, not dead-lettered.
+B3). Version 4 was this layout without ``mask``, version 3 it without ``versions`` either, version 2 it with
+``filtered`` and without ``penalties``; version 1 carried ``completions`` as a list of ``{"token_ids", "logprobs",
+"reward", "finish_reason"}`` maps; the decoder still reads all four (every token the model's), so groups left in a
+stream by an older build are trained, not dead-lettered.
 
 ``WeightsAnnouncement`` (learner → Redis hash ``weights:latest`` + channel ``weights`` → actors)
     ``version``, ``uri`` (a directory), ``digest`` (``xxh3-128:<hex>`` or ``sha256:<hex>``, over its
@@ -70,8 +80,9 @@ The run's state in Redis (common.schemas.state)
     (INCRBY), and ``trained_ids`` a sorted set of group ids scored by learner step.
 
 The forms live in three modules behind this face: the group message's types, encoding, decoding and validation
-(common.schemas.group), the small forms above it (common.schemas.control) and the run's
-state (common.schemas.state); the field checks they share are in common.schemas.fields. Import them from here.
+(common.schemas.group, its optional columns in common.schemas.versions and common.schemas.masks), the small forms
+above it (common.schemas.control) and the run's state (common.schemas.state); the field checks they share are in
+common.schemas.fields. Import them from here.
 
 A payload that fails here raises :class:`SchemaError` with a one-line reason; the learner moves it to the ``dead``
 stream with that reason and the raw bytes.

@@ -20,10 +20,11 @@ from common.schemas.fields import integer as _int
 from common.schemas.fields import keys_of as _keys
 from common.schemas.fields import number as _float
 from common.schemas.fields import text as _str
+from common.schemas.masks import MASK_KEYS, checked_logprobs, joined_mask, mask_from_runs, mask_runs
 from common.schemas.versions import VERSION_KEYS, VersionRuns, check_runs, runs_from_fields
 
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
 
@@ -43,6 +44,9 @@ class Completion:
     # int32 (k, 2): the (version, tokens) runs of its tokens, oldest first (common.schemas.versions); None: every
     # token is its group's policy_version's.
     runs: np.ndarray | None = None
+    # uint8 (L,): 1 where the model wrote the token, 0 where the environment did (a tool's output: its log-prob is
+    # NaN, and it is never trained on; common.schemas.masks); None: every token is the model's.
+    mask: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -98,11 +102,12 @@ _FILTERED_FIELDS = ("groups", "zero_std_groups", "completions", "reward_sum", "r
 
 class Completions(Sequence[Completion]):
     """A group's completions held as columns, the way they travel: every completion's token ids end to end, its
-    log-probs end to end, the offsets where each one starts, the rewards and the finish reasons. Indexing gives a
+    log-probs end to end, the offsets where each one starts, the rewards, the finish reasons, and where some token is
+    the environment's, which tokens the model wrote (``mask``, end to end as well). Indexing gives a
     :class:`Completion` of views into the columns (no copies); code that handles whole groups (the learner's
     batch) reads the columns directly."""
 
-    __slots__ = ("_offsets", "finish_reasons", "lengths", "logprobs", "rewards", "runs", "token_ids")
+    __slots__ = ("_offsets", "finish_reasons", "lengths", "logprobs", "mask", "rewards", "runs", "token_ids")
 
     def __init__(
         self,
@@ -112,6 +117,7 @@ class Completions(Sequence[Completion]):
         rewards: np.ndarray,
         finish_reasons: tuple[FinishReason, ...],
         runs: VersionRuns | None = None,
+        mask: np.ndarray | None = None,
     ):
         self.token_ids = token_ids  # int32 (N,), N = Σ lengths
         self.logprobs = logprobs  # float32 (N,)
@@ -119,6 +125,7 @@ class Completions(Sequence[Completion]):
         self.rewards = rewards  # float64 (G,)
         self.finish_reasons = finish_reasons
         self.runs = runs  # which version produced which tokens; None: all the group's policy_version's
+        self.mask = mask  # uint8 (N,): 1 the model's token, 0 the environment's; None: every token the model's
         self._offsets: np.ndarray | None = None
 
     @property
@@ -143,6 +150,7 @@ class Completions(Sequence[Completion]):
             np.array([c.reward for c in completions], dtype=np.float64),
             tuple(c.finish_reason for c in completions),
             VersionRuns.of([c.runs for c in completions], lengths, version),
+            joined_mask([c.mask for c in completions], lengths),
         )
 
     def __len__(self) -> int:
@@ -161,7 +169,10 @@ class Completions(Sequence[Completion]):
         i %= n
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         runs = self.runs.completion(i) if self.runs is not None else None
-        return Completion(self.token_ids[a:b], self.logprobs[a:b], float(self.rewards[i]), self.finish_reasons[i], runs)
+        mask = self.mask[a:b] if self.mask is not None else None
+        return Completion(
+            self.token_ids[a:b], self.logprobs[a:b], float(self.rewards[i]), self.finish_reasons[i], runs, mask
+        )
 
 
 def _joined(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
@@ -226,6 +237,8 @@ def encode_group(msg: GroupMessage) -> bytes:
     }
     if c.runs is not None:  # optional: only answers whose tokens came from more than one version carry it
         columns["versions"] = {k: _array(a, "int32") for k, a in c.runs.fields().items()}
+    if c.mask is not None and not c.mask.all():  # optional: only episodes with some tool output carry it
+        columns["mask"] = {k: _array(a, "int32") for k, a in mask_runs(c.mask, c.offsets).items()}
     body = {
         "v": SCHEMA_VERSION,
         "type": "group",
@@ -293,15 +306,15 @@ _min, _max, _add = (
 
 
 def _check_values(prompt_ids: np.ndarray, c: Completions) -> None:
-    """Token ids in [0, 2^31), log-probs in [LOGPROB_FLOOR, 0], rewards finite in [0, 1]: two reductions per column over
-    the whole group (NaN fails every comparison, infinities fail the bounds); only when one fails is the first bad
-    value looked for, to name its completion."""
+    """Token ids in [0, 2^31), log-probs in [LOGPROB_FLOOR, 0] (or NaN on environment tokens), rewards finite in
+    [0, 1]: two reductions per column over the whole group (NaN fails every comparison, infinities fail the bounds);
+    only when one fails is the first bad value looked for, to name its completion."""
     if _min(prompt_ids) < 0:
         raise SchemaError("prompt_ids: token ids must be in [0, 2^31)")
     if _min(c.token_ids) < 0:
         i = _owner(c, np.flatnonzero(c.token_ids < 0))
         raise SchemaError(f"completions[{i}].token_ids: token ids must be in [0, 2^31)")
-    lp = c.logprobs
+    lp = checked_logprobs(c.logprobs, c.mask)  # an environment token's NaN passes; a model token's does not
     if not (_min(lp) >= LOGPROB_FLOOR and _max(lp) <= _LOGPROB_SLACK):
         bad = np.flatnonzero(~((lp >= LOGPROB_FLOOR) & (lp <= _LOGPROB_SLACK)))
         value = float(lp[bad[0]])
@@ -324,6 +337,7 @@ def _owner(c: Completions, positions: np.ndarray) -> int:
 
 _ARRAY_KEYS = {"dtype", "data"}
 _COLUMN_KEYS = {"lengths", "token_ids", "logprobs", "rewards", "finish_reasons"}
+_COLUMN_EXTRAS = {"versions": 4, "mask": 5}  # optional columns, and the version each came in
 _MAX_GROUP_TOKENS = 1 << 24
 
 
@@ -341,9 +355,10 @@ def _finish_reasons(v: Any) -> tuple[FinishReason, ...]:
 
 
 def _decode_columns(v: Any, version: int) -> Completions:
-    """Versions 2 to 4: the completions as columns (see the module's docstring), since 4 with optional ``versions``."""
-    d = _keys(v, "completions", _COLUMN_KEYS | ({"versions"} if version >= 4 and type(v) is dict and "versions" in v
-                                                else set()))  # fmt: skip
+    """Versions 2 to 5: the completions as columns (see the module's docstring), since 4 with optional ``versions``
+    and since 5 with optional ``mask``."""
+    extra = {k for k, since in _COLUMN_EXTRAS.items() if version >= since and type(v) is dict and k in v}
+    d = _keys(v, "completions", _COLUMN_KEYS | extra)
     reasons = _finish_reasons(d["finish_reasons"])
     g = len(reasons)
     lengths = _decode_array(d["lengths"], "completions.lengths", _ID_DTYPES, INT32, _MAX_COMPLETIONS)
@@ -360,13 +375,19 @@ def _decode_columns(v: Any, version: int) -> Completions:
     if len(lps) != len(ids):
         raise SchemaError(f"completions: {len(ids)} tokens but {len(lps)} log-probs")
     runs = _decode_runs(d["versions"]) if "versions" in d else None
-    return Completions(ids, lps, lengths, rewards, reasons, runs)
+    mask = _decode_mask(d["mask"], lengths) if "mask" in d else None
+    return Completions(ids, lps, lengths, rewards, reasons, runs, mask)
 
 
 def _decode_runs(v: Any) -> VersionRuns:
     d = _keys(v, "completions.versions", VERSION_KEYS)
     # Checked against the lengths and the policy version by decode_group, once both are read.
     return runs_from_fields(d, lambda a, where: _decode_array(a, where, _ID_DTYPES, INT32, _MAX_GROUP_TOKENS))
+
+
+def _decode_mask(v: Any, lengths: np.ndarray) -> np.ndarray | None:
+    d = _keys(v, "completions.mask", MASK_KEYS)
+    return mask_from_runs(d, lambda a, where: _decode_array(a, where, _ID_DTYPES, INT32, _MAX_GROUP_TOKENS), lengths)
 
 
 _V1_COMPLETION_KEYS = {"token_ids", "logprobs", "reward", "finish_reason"}
@@ -404,12 +425,12 @@ def _decode_penalties(v: Any, g: int) -> np.ndarray:
 
 
 # The keys of each version beside the optional ``epoch``: versions 1 and 2 carried ``filtered`` (a summary of the
-# groups an actor filtered out, which this build reads from Redis alone: its value is skipped), versions 3 and 4
-# carry optional ``penalties`` instead (and 4 optional ``versions`` inside ``completions``).
+# groups an actor filtered out, which this build reads from Redis alone: its value is skipped), versions 3 to 5
+# carry optional ``penalties`` instead (4 optional ``versions`` inside ``completions``, and 5 ``mask`` too).
 _BASE_KEYS = {"v", "type", "group_id", "prompt_id", "policy_version", "actor_id", "created_at", "prompt_ids",
               "completions", "zero_std"}  # fmt: skip
-_OPTIONAL_KEYS = {1: {"epoch"}, 2: {"epoch"}, 3: {"epoch", "penalties"}, 4: {"epoch", "penalties"}}
-_REQUIRED_KEYS = {1: _BASE_KEYS | {"filtered"}, 2: _BASE_KEYS | {"filtered"}, 3: _BASE_KEYS, 4: _BASE_KEYS}
+_OPTIONAL_KEYS = {v: {"epoch"} | ({"penalties"} if v >= 3 else set()) for v in READABLE_VERSIONS}
+_REQUIRED_KEYS = {v: _BASE_KEYS | ({"filtered"} if v < 3 else set()) for v in READABLE_VERSIONS}
 
 
 # Every set of keys a valid message of each version has, to match a message's keys at once (the common case).

@@ -68,7 +68,7 @@ def test_round_trip_preserves_everything() -> None:
 def test_arrays_travel_as_little_endian_bytes_with_a_dtype_and_completions_as_columns() -> None:
     msg = make_group()
     d = body(msg)
-    assert d["v"] == SCHEMA_VERSION == 4 and d["type"] == "group"
+    assert d["v"] == SCHEMA_VERSION == 5 and d["type"] == "group"
     c = d["completions"]
     assert set(c) == {"lengths", "token_ids", "logprobs", "rewards", "finish_reasons"}
     assert all(
@@ -224,8 +224,8 @@ _LP = [-0.1] * 12
 
 # (field path, a value it must not have, what the error says): each one is a message that must be dead-lettered.
 REJECTIONS = [
-    ("v", 5, "unsupported schema version"),
-    ("v", "4", "unsupported schema version"),
+    ("v", 6, "unsupported schema version"),
+    ("v", "5", "unsupported schema version"),
     ("type", "weights", "expected 'group'"),
     ("extra", 1, "unknown keys"),
     ("policy_version", _DELETE, "missing"),
