@@ -12,4 +12,5 @@ FORMAT = "format"  # the whole completion has a layout
 WITH_PATTERN = (REGEX, FORMAT)  # take grader.pattern
 BUILTIN = (*PLAIN, *WITH_PATTERN)
 COMBINE = "combine"  # the weighted mean of components, each a built-in or a custom grader
+SERVICE = "service"  # an HTTP scorer (a judge model, say): grader.url, batched, with retries
 CUSTOM = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"  # your own grader as module.path:function

@@ -33,8 +33,17 @@ class Grades(Protocol):
 
 
 class SampleGrader(Protocol):
-    def grade_samples(self, tokenizer: Any, samples: list[Any], references: list[str], *, require_stop: bool) -> Grades:
-        """One score per sample, and the grader errors counted by kind."""
+    def grade_samples(
+        self,
+        tokenizer: Any,
+        samples: list[Any],
+        references: list[str],
+        *,
+        require_stop: bool,
+        prompts: list[str] | None = None,
+    ) -> Grades:
+        """One score per sample, and the grader errors counted by kind; ``prompts`` (one per sample) for graders
+        that read the question, such as a scoring service."""
         ...
 
 
@@ -73,8 +82,11 @@ def score_problems(
         chunk = problems[start : start + batch]
         prompts = [encode(p.prompt) for p in chunk]
         references = [p.reference for p in chunk]
+        asked = [p.prompt for p in chunk]
         greedy = generate(prompts, 1, True)
-        g = grader.grade_samples(tokenizer, [s[0] for s in greedy], references, require_stop=require_stop)
+        g = grader.grade_samples(
+            tokenizer, [s[0] for s in greedy], references, require_stop=require_stop, prompts=asked
+        )
         out.greedy += g.scores
         out.errors += g.errors
         if n == 0:
@@ -83,7 +95,11 @@ def score_problems(
         sampled = generate(prompts, n, False)
         flat = [s for group in sampled for s in group]
         r = grader.grade_samples(
-            tokenizer, flat, [ref for ref in references for _ in range(n)], require_stop=require_stop
+            tokenizer,
+            flat,
+            [ref for ref in references for _ in range(n)],
+            require_stop=require_stop,
+            prompts=[q for q in asked for _ in range(n)],
         )
         out.sampled += [r.scores[i * n : (i + 1) * n] for i in range(len(chunk))]
         out.errors += r.errors

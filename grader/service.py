@@ -1,0 +1,249 @@
+"""Rewards from a scoring service: ``grader.name: service`` sends the answers to an HTTP endpoint (a judge model, or
+any scorer you run) and takes its scores as rewards.
+
+The contract a scorer implements
+--------------------------------
+Request: ``POST <grader.url>`` with ``Content-Type: application/json`` and at most ``grader.batch_size`` items::
+
+    {"items": [{"prompt": "What is 3+4?", "completion": "It is 7.", "reference": "7"}, ...]}
+
+``prompt`` is the problem's prompt as the task wrote it (``null`` where the caller passes none), ``completion`` the
+answer's text without its stop token (:func:`grader.pool.sample_texts`), ``reference`` the problem's answer.
+
+Response: status 2xx with a JSON object holding one score per item, in item order, each a number in [0, 1] (other
+keys are ignored)::
+
+    {"scores": [1.0, 0.0, ...]}
+
+What a failure costs
+--------------------
+Each attempt has ``grader.timeout_s`` to connect, send and read the whole answer. A time-out, a refused or lost
+connection, HTTP 5xx and 429 are tried again, up to ``grader.retries`` more times, after ``grader.retry_backoff_s``
+doubling each time; another 4xx (the request itself is wrong) and an answer that breaks the contract are not.
+When a batch still has no scores, every answer in it scores 0 and is counted by kind (the label of
+``grpo_actor_grader_errors_total``): ``service_timeout``, ``service_unreachable``, ``service_http`` (a status
+other than 2xx), ``service_invalid`` (not JSON, no ``scores`` list, a list of the wrong length, not HTTP at all).
+One score that is not a number in [0, 1] scores 0 alone and counts as ``invalid``, as a grader's would. The other
+batches are sent regardless: a failing scorer costs rewards, never the actor.
+
+Batches go one at a time over a fresh connection each, with the standard library alone (no proxy is used). With
+``require_stop`` an answer cut off at the length limit scores 0 whatever the scorer would say, so it is not sent.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from common.metrics import GraderErrorKind
+from grader.pool import GradeResult, GraderPool, require_stopped, sample_texts
+from grader.protocol import check_score
+
+log = logging.getLogger(__name__)
+
+MAX_ANSWER_BYTES = 16 << 20  # a batch's scores take bytes; a larger answer is not one (service_invalid)
+
+Scored = tuple[float, GraderErrorKind | None]  # an answer's reward, and why it is 0 when grading failed
+
+
+@dataclass
+class ServiceFailure(Exception):
+    """An attempt that got no scores: the kind it is counted as, what happened, and whether to try again."""
+
+    kind: GraderErrorKind
+    detail: str
+    retry: bool
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+def request_body(prompts: list[str | None], completions: list[str], references: list[str]) -> bytes:
+    items = [
+        {"prompt": p, "completion": c, "reference": r} for p, c, r in zip(prompts, completions, references, strict=True)
+    ]
+    return json.dumps({"items": items}, ensure_ascii=False).encode()
+
+
+def parse_scores(answer: bytes, n: int) -> list[Scored]:
+    """The rewards in a 2xx answer to ``n`` items; one that is not a number in [0, 1] is ``(0.0, "invalid")``.
+    Raises :class:`ServiceFailure` (``service_invalid``, not retried) when the answer as a whole breaks the contract."""
+    try:
+        doc = json.loads(answer)
+    except ValueError as e:  # UnicodeDecodeError included
+        raise ServiceFailure("service_invalid", f"the answer is not JSON ({e})", retry=False) from None
+    scores = doc.get("scores") if isinstance(doc, dict) else None
+    if not isinstance(scores, list):
+        raise ServiceFailure("service_invalid", 'the answer is not an object with a "scores" list', retry=False)
+    if len(scores) != n:
+        raise ServiceFailure("service_invalid", f"{len(scores)} scores for {n} items", retry=False)
+    out: list[Scored] = []
+    for value in scores:
+        try:
+            out.append((check_score(value), None))
+        except ValueError:
+            out.append((0.0, "invalid"))
+    return out
+
+
+def status_failure(status: int, answer: bytes) -> ServiceFailure | None:
+    """None for a 2xx status; otherwise the failure, retried for 5xx and 429 (the scorer is busy or broken for now)
+    and not for any other status (a 4xx says the request is wrong: sending it again will not change that)."""
+    if 200 <= status < 300:
+        return None
+    said = answer[:200].decode("utf-8", "replace").strip()
+    return ServiceFailure("service_http", f"HTTP {status} {said!r}", retry=status == 429 or status >= 500)
+
+
+def exception_failure(e: Exception, timeout_s: float) -> ServiceFailure:
+    """The failure an attempt that raised counts as. TimeoutError is an OSError and IncompleteRead an HTTPException,
+    hence the order."""
+    if isinstance(e, TimeoutError):
+        return ServiceFailure("service_timeout", f"no whole answer within {timeout_s:g}s", retry=True)
+    if isinstance(e, (OSError, http.client.IncompleteRead)):  # refused, reset, lost mid-answer, no route, DNS, TLS
+        return ServiceFailure("service_unreachable", f"{type(e).__name__}: {e}", retry=True)
+    if isinstance(e, http.client.HTTPException):  # something answered, but not in HTTP
+        return ServiceFailure("service_invalid", f"not an HTTP answer ({type(e).__name__}: {e})", retry=False)
+    raise e
+
+
+def post(url: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
+    """One ``POST`` of JSON; ``(status, answer)`` within ``timeout_s`` in all, or TimeoutError, OSError or
+    http.client.HTTPException. Every blocking read waits at most what is left of the time, so a server that accepts
+    and never answers, or answers a byte at a time, is given up on at the limit."""
+    parts = urlsplit(url)
+    deadline = time.monotonic() + timeout_s
+    https = parts.scheme.lower() == "https"
+    conn = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(
+        parts.hostname or "", parts.port, timeout=timeout_s
+    )
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    headers = {"Content-Type": "application/json", "Accept": "application/json", "Connection": "close"}
+    try:
+        conn.request("POST", path, body, headers)
+        _time_left(conn, deadline)
+        response = conn.getresponse()
+        answer = bytearray()
+        while True:
+            _time_left(conn, deadline)
+            chunk = response.read1(1 << 16)  # one read from the socket, which may wait only what is left
+            if not chunk:
+                return response.status, bytes(answer)
+            answer += chunk
+            if len(answer) > MAX_ANSWER_BYTES:
+                raise http.client.HTTPException(f"an answer of more than {MAX_ANSWER_BYTES} bytes")
+    finally:
+        conn.close()
+
+
+def _time_left(conn: http.client.HTTPConnection, deadline: float) -> None:
+    """The socket's time-out cut to what is left of the attempt's, or TimeoutError when nothing is."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    if conn.sock is not None:
+        conn.sock.settimeout(left)
+
+
+class ServiceGrader(GraderPool):
+    """Grades through a scoring service (see the module docstring), with the interface of :class:`GraderPool` that
+    the actor and the evaluation use (``grade``, ``grade_samples``, ``close``, a context manager), so a role takes
+    either from :func:`grader.pool.open_grader`. It holds no connection or process between calls."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 5.0,
+        batch_size: int = 16,
+        retries: int = 2,
+        retry_backoff_s: float = 0.5,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        # GraderPool.__init__ is not called: there is no grader function to build and no worker to start.
+        self.name = "service"
+        self.url = url
+        self.timeout_s = timeout_s
+        self.batch_size = batch_size
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self._sleep = sleep
+        parts = urlsplit(url)
+        # For logs: no credentials or query (an API key may travel in either).
+        self.where = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path}"
+
+    def grade(self, pairs: list[tuple[str, str]], prompts: Sequence[str | None] | None = None) -> GradeResult:
+        """Scores of (completion, reference) pairs, ``prompts`` sent beside them (``null`` where None)."""
+        asked: list[str | None] = list(prompts) if prompts is not None else [None] * len(pairs)
+        if len(asked) != len(pairs):
+            raise ValueError(f"{len(asked)} prompts for {len(pairs)} answers")
+        result = GradeResult([0.0] * len(pairs))
+        for start in range(0, len(pairs), self.batch_size):
+            batch = pairs[start : start + self.batch_size]
+            body = request_body(asked[start : start + len(batch)], [c for c, _ in batch], [r for _, r in batch])
+            for i, (score, kind) in enumerate(self._score_batch(body, len(batch)), start):
+                result.scores[i] = score
+                if kind:
+                    result.errors[kind] += 1
+        return result
+
+    def _score_batch(self, body: bytes, n: int) -> list[Scored]:
+        """One batch's rewards, tried up to ``1 + retries`` times; all ``(0.0, kind)`` when no attempt got them."""
+        attempts = 1 + self.retries
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._attempt(body, n)
+            except ServiceFailure as failure:
+                if not failure.retry or attempt == attempts:
+                    log.warning("grader service %s: %s (attempt %d/%d); %d answers score 0",
+                                self.where, failure, attempt, attempts, n)  # fmt: skip
+                    return [(0.0, failure.kind)] * n
+                wait = self.retry_backoff_s * 2 ** (attempt - 1)
+                log.info("grader service %s: %s (attempt %d/%d); again in %.2gs",
+                         self.where, failure, attempt, attempts, wait)  # fmt: skip
+                self._sleep(wait)
+        raise AssertionError("the last attempt returns")
+
+    def _attempt(self, body: bytes, n: int) -> list[Scored]:
+        try:
+            status, answer = post(self.url, body, self.timeout_s)
+        except Exception as e:
+            raise exception_failure(e, self.timeout_s) from None
+        if failure := status_failure(status, answer):
+            raise failure
+        return parse_scores(answer, n)
+
+    def grade_samples(
+        self,
+        tokenizer: Any,
+        samples: list[Any],
+        references: list[str],
+        *,
+        require_stop: bool,
+        prompts: list[str] | None = None,
+    ) -> GradeResult:
+        """Rewards of generated samples, graded as :meth:`GraderPool.grade_samples` grades them; with
+        ``require_stop`` only the answers that stopped are sent (the others score 0 whatever the scorer says, and a
+        judge's time is the dear part)."""
+        if len(references) != len(samples) or (prompts is not None and len(prompts) != len(samples)):
+            raise ValueError(f"{len(samples)} samples, {len(references)} references, prompts: {prompts is not None}")
+        texts = sample_texts(tokenizer, samples)
+        asked = prompts if prompts is not None else [None] * len(samples)
+        sent = [i for i, s in enumerate(samples) if not require_stop or s.finish_reason == "stop"]
+        graded = self.grade([(texts[i], references[i]) for i in sent], [asked[i] for i in sent])
+        result = GradeResult([0.0] * len(samples), graded.errors)
+        for i, score in zip(sent, graded.scores, strict=True):
+            result.scores[i] = score
+        return require_stopped(samples, result, require_stop=require_stop)
+
+    def close(self) -> None:
+        """Nothing to release: every request has its own connection."""
+
+    def __enter__(self) -> ServiceGrader:
+        return self
