@@ -22,6 +22,8 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -157,9 +159,8 @@ def warm_start(model: Any, tokenizer: Any, problems: list[Any], habit: float, se
 def make_tiny_model(
     directory: str | Path, *, warm: bool = True, habit: float = 0.7, seed: int = 0, eval_size: int = 20
 ) -> dict:
-    """Build, optionally warm-start, and save the demo model; returns what the warm start measured.
-
-    Written under a temporary name and renamed, so a concurrent reader never sees half a model."""
+    """Build, optionally warm-start, and save the demo model (:func:`save_atomically`); returns what the warm start
+    measured."""
     from common.tasks import addition_task
 
     tokenizer = build_tokenizer()
@@ -170,14 +171,16 @@ def make_tiny_model(
         "seed": seed,
     }
     if warm:
-        # One thread: the model is too small to gain from two, and two threads on a busy machine spin-wait against
-        # each other (measured on 2 loaded cores: 207 s with two threads, 28 s with one).
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             report |= warm_start(model, tokenizer, addition_task(eval_size, seed).all, habit, seed)
-        finally:
-            torch.set_num_threads(threads)
+    save_atomically(model, tokenizer, report, directory)
+    return report
+
+
+def save_atomically(model: Any, tokenizer: Any, report: dict[str, Any], directory: str | Path) -> None:
+    """Save the model, its tokenizer and ``warm_start.json`` (``report``) in ``directory``, replacing it.
+
+    Written under a temporary name and renamed, so a concurrent reader never sees half a model."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f".{directory.name}.{uuid.uuid4().hex[:8]}.tmp")
@@ -188,19 +191,36 @@ def make_tiny_model(
     if directory.exists():
         shutil.rmtree(directory)
     os.rename(tmp, directory)
-    return report
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one thread for a warm start: the model is too small to gain from two, and two threads on a busy
+    machine spin-wait against each other (measured on 2 loaded cores: 207 s with two threads, 28 s with one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def ensure_tiny_model(seed: int = 0, eval_size: int = 20) -> Path:
     """The demo model for ``run.seed``, built on first use and reused after (it is deterministic)."""
     directory = cache_dir() / f"tiny-addition-seed{seed}-eval{eval_size}-v{RECIPE_VERSION}"
+    return build_cached(directory, lambda tmp: make_tiny_model(tmp, seed=seed, eval_size=eval_size), "demo model")
+
+
+def build_cached(directory: Path, make: Callable[[Path], dict], what: str) -> Path:
+    """``directory``, built by ``make(folder)`` (which returns its report) unless it holds a model already; built
+    beside it and renamed into place, so that concurrent runs building the same model both end with it."""
     if (directory / "config.json").is_file():
         return directory
-    log.info("building the tiny demo model in %s (first use only)", directory)
+    log.info("building the tiny %s in %s (first use only)", what, directory)
     tmp_parent = directory.parent
     tmp_parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_parent / f".build-{uuid.uuid4().hex[:8]}"
-    report = make_tiny_model(tmp, seed=seed, eval_size=eval_size)
+    report = make(tmp)
     try:
         os.rename(tmp, directory)
     except OSError:  # built concurrently by another run: theirs is the same model
@@ -223,6 +243,7 @@ def built_here(directory: str | Path, *, warm: bool, habit: float, seed: int) ->
         and report.get("recipe") == RECIPE_VERSION
         and report.get("seed") == seed
         and report.get("habit") == (habit if warm else None)
+        and "variant" not in report  # the calculator model's report names its variant
     )
 
 
@@ -236,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="directory to write (replaced if it exists)")
     p.add_argument("--no-warm-start", action="store_true", help="save the random initialisation")
     p.add_argument("--habit", type=float, default=0.7, help="fraction of warm-start answers ending with a space")
+    p.add_argument(
+        "--calculator",
+        action="store_true",
+        help="the calculator variant: two-digit multiplication with a tool to call (see ops/tiny_tool_model.py)",
+    )
+    p.add_argument(
+        "--tool-habit", type=float, default=0.3, help="with --calculator: fraction of warm-start episodes that call"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--if-missing",
@@ -245,13 +274,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     setup_logging("make-tiny-model")
     warm = not args.no_warm_start
-    if args.if_missing and built_here(args.dir, warm=warm, habit=args.habit, seed=args.seed):
-        print(
-            f"{args.dir} holds the demo model already (recipe {RECIPE_VERSION}, seed {args.seed}): kept",
-            file=sys.stderr,
+    if args.calculator:
+        from ops import tiny_tool_model as tool
+
+        what, recipe = "calculator model", tool.TOOL_RECIPE_VERSION
+        kept = tool.tool_built_here(args.dir, warm=warm, tool_habit=args.tool_habit, seed=args.seed)
+        make: Callable[[], dict] = lambda: tool.make_tiny_tool_model(  # noqa: E731
+            args.dir, warm=warm, tool_habit=args.tool_habit, seed=args.seed
         )
+    else:
+        what, recipe = "demo model", RECIPE_VERSION
+        kept = built_here(args.dir, warm=warm, habit=args.habit, seed=args.seed)
+        make = lambda: make_tiny_model(args.dir, warm=warm, habit=args.habit, seed=args.seed)  # noqa: E731
+    if args.if_missing and kept:
+        print(f"{args.dir} holds the {what} already (recipe {recipe}, seed {args.seed}): kept", file=sys.stderr)
         return 0
-    report = make_tiny_model(args.dir, warm=warm, habit=args.habit, seed=args.seed)
+    report = make()
     print(
         f"wrote {args.dir}: "
         + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items()),
