@@ -249,6 +249,7 @@ class SimEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.vocab = len(self.tokenizer)
         self.eos = self.tokenizer.eos_token_id
+        self.stop_ids: set[int] = set()  # an environment's stop ids mean nothing to random tokens: never used
         self.rng = np.random.default_rng(seed)
         self._draws = threading.Lock()  # rounds in flight draw from one generator, one at a time
         self.version = 0

@@ -25,6 +25,7 @@ class BetweenRounds(Exception):
 class Engine(Protocol):
     version: int
     tokenizer: Any
+    stop_ids: set[int]  # a completion (or an episode's turn) ends at any of these; an environment adds its own
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
         """``n`` samples per prompt at ``sampling.temperature``; ``greedy`` for the likeliest answer (evaluation)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +25,7 @@ from actor.engine_protocol import Engine
 from common.config import Config
 from common.model.generation import Sample
 from common.tasks import Problem
+from grader.episodes import Episodes
 
 
 @dataclass
@@ -54,10 +55,11 @@ def sampled_aside(cfg: Config, engine: Engine) -> bool:
 
 
 class InFlight:
-    def __init__(self, actor_id: str, engine: Engine, k: int, aside: bool = False):
+    def __init__(self, actor_id: str, engine: Engine, k: int, aside: bool = False, episodes: Episodes | None = None):
         self.id = actor_id
         self.engine = engine
         self.k = k
+        self.episodes = episodes  # env.name tool: a round's samples are whole episodes (grader.episodes)
         self.pending: deque[Round] = deque()
         self._pool = ThreadPoolExecutor(k, thread_name_prefix="generate") if k > 1 or aside else None
 
@@ -76,7 +78,7 @@ class InFlight:
     def start(self, holder: str, problems: list[Problem], prompts: list[list[int]], group: int) -> Round:
         rnd = Round(holder, problems, version=self.engine.version)
         if self._pool is None:  # one round at a time: generated here and now
-            rnd.samples = self.engine.generate(prompts, group)
+            rnd.samples = self._generate(prompts, group)[0]
             rnd.version = self.engine.version  # a SGLang engine may learn from its reply what its server holds
             rnd.generated = time.perf_counter()
         else:
@@ -86,10 +88,16 @@ class InFlight:
         return rnd
 
     def _generate(self, prompts: list[list[int]], group: int) -> tuple[list[list[Sample]], int | None]:
+        if self.episodes is None:
+            return self._turn(prompts, group, False)
+        return self.episodes.run(self._turn, prompts, group, version_now=lambda: self.engine.version)
+
+    def _turn(self, prompts: Sequence[Sequence[int]], n: int, greedy: bool) -> tuple[list[list[Sample]], int | None]:
+        """One generation: the round's answers, or one turn of its episodes (the same engine call)."""
         generate_versioned: Callable[..., Any] | None = getattr(self.engine, "generate_versioned", None)
         if generate_versioned is None:
-            return self.engine.generate(prompts, group), None
-        return generate_versioned(prompts, group)  # type: ignore[no-any-return]
+            return self.engine.generate(prompts, n, greedy=greedy), None
+        return generate_versioned(prompts, n, greedy=greedy)  # type: ignore[no-any-return]
 
     def settle(self, waiting: Callable[[], None]) -> None:
         """Wait until every round in flight is generated (they stay pending, to be taken in order): before a weights

@@ -20,6 +20,7 @@ import numpy as np
 from actor.engine_protocol import BetweenRounds, Engine, EngineError, load_if_due
 from actor.filter import Decision, ZeroStdFilter, filtered_stats, overlong_penalties, shaped
 from actor.inflight import InFlight, Round, rounds_in_flight, sampled_aside
+from actor.message import group_message
 from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
 from actor.prompts import PromptSource
 from actor.updates import Backoff, announcement_key, in_flight_updates, same_lineage
@@ -27,19 +28,11 @@ from common.config import Config
 from common.metrics import ActorMetrics
 from common.model.generation import Sample
 from common.model.limits import message_byte_limit
-from common.schemas import (
-    FORWARDED,
-    Completion,
-    FilteredStats,
-    GroupMessage,
-    SchemaError,
-    WeightsAnnouncement,
-    counter,
-    encode_group,
-)
+from common.schemas import FORWARDED, FilteredStats, SchemaError, WeightsAnnouncement, counter, encode_group
 from common.tasks import Problem, PromptEncoder, make_task
 from common.transport import ActorTransport, Admission, round_fits
 from common.weights import WeightsError
+from grader.episodes import Episodes, episode_counts
 from grader.pool import GraderPool
 
 log = logging.getLogger("actor")
@@ -57,6 +50,7 @@ class Actor:
         grader: GraderPool,
         metrics: ActorMetrics,
         prompt_limit: int | None = None,
+        episodes: Episodes | None = None,
     ):
         self.cfg = cfg
         # Prompts longer than this leave no room for an answer within the model's positions: skipped, counted.
@@ -77,7 +71,7 @@ class Actor:
         self.groups_sent = 0
         self.rounds = 0
         self.version_sampled = engine.version  # the policy version of the round being graded and sent
-        self.in_flight = InFlight(actor_id, engine, rounds_in_flight(cfg, engine), sampled_aside(cfg, engine))
+        self.in_flight = InFlight(actor_id, engine, rounds_in_flight(cfg, engine), sampled_aside(cfg, engine), episodes)
         # actor.weight_updates in_flight: versions loaded while rounds are sampled (actor.updates)
         self.updates = in_flight_updates(cfg, engine, self._newer, self._load, lambda: bool(self._pubsub.get_message()),
                                          lambda a: same_lineage(self._epochs, self.engine.version, a))  # fmt: skip
@@ -341,6 +335,10 @@ class Actor:
         groups = rnd.samples
         self.metrics.completions.inc(sum(len(g) for g in groups))
         self.metrics.tokens.inc(sum(len(s.token_ids) for g in groups for s in g))
+        ends, calls = episode_counts([s for g in groups for s in g])  # nothing for single answers
+        for end, count in ends.items():
+            self.metrics.episodes.labels(end).inc(count)
+        self.metrics.tool_calls.inc(calls)
         return rnd
 
     def grade(self, problems: list[Problem], groups: list[list[Sample]]) -> list[list[float]]:
@@ -351,6 +349,7 @@ class Actor:
             [s for g in groups for s in g],
             [p.reference for p in problems for _ in range(n)],
             require_stop=self.cfg.task.require_stop,
+            prompts=[p.prompt for p in problems for _ in range(n)],
         )
         for kind, count in result.errors.items():
             self.metrics.grader_errors.labels(kind).inc(count)
@@ -374,7 +373,9 @@ class Actor:
         counters: Counter[str] = Counter()
         filtered = FilteredStats()
         for problem, samples, r in zip(problems, groups, rewards, strict=True):
-            penalties = overlong_penalties([len(x.token_ids) for x in samples], self.cfg.sampling, self.cfg.shaping)
+            # An episode's length is its last turn's, which sampling.max_new_tokens bounds as it bounds an answer.
+            lengths = [len(x.token_ids) - x.answer_from for x in samples]
+            penalties = overlong_penalties(lengths, self.cfg.sampling, self.cfg.shaping)
             decision = self.filter.decide(shaped(r, penalties))
             if decision is Decision.FILTER:
                 filtered += filtered_stats(r)
@@ -383,7 +384,18 @@ class Actor:
             if decision is Decision.FORWARD:
                 counters[FORWARDED] += 1
                 self._warn_forward_once()
-            payload = encode_group(self._message(problem, samples, r, penalties, decision is Decision.FORWARD))
+            message = group_message(
+                problem,
+                self._encode_prompt(problem),
+                samples,
+                r,
+                penalties,
+                forwarded=decision is Decision.FORWARD,
+                actor_id=self.id,
+                version_sampled=self.version_sampled,
+                epochs=self._epochs,
+            )
+            payload = encode_group(message)
             if len(payload) > self.max_message_bytes:  # the write script would refuse the round: not this group
                 counters[_DISCARDED_OVERSIZED] += 1
                 log.warning("discarding a group of %d bytes, over redis.max_message_bytes (%d)", len(payload),
@@ -432,36 +444,6 @@ class Actor:
         log.warning("discarding a round of %d groups: %s", len(payloads), reason.replace("_", " "))
         counters = Counter({**counters, counter("discarded", reason): len(payloads)})
         self.transport.produce([], dict(counters), holder=holder, filtered=filtered)
-
-    def _message(
-        self,
-        problem: Problem,
-        samples: list[Sample],
-        rewards: list[float],
-        penalties: np.ndarray | None,
-        forwarded: bool,
-    ) -> GroupMessage:
-        # In-flight updates: the newest version of any token is the group's (admission goes by it).
-        version = max((s.versions[-1][0] for s in samples if s.versions), default=self.version_sampled)
-        return GroupMessage(
-            prompt_id=problem.id,
-            policy_version=version,
-            actor_id=self.id,
-            prompt_ids=np.asarray(self._encode_prompt(problem), dtype=np.int32),
-            completions=tuple(
-                Completion(
-                    np.asarray(s.token_ids, dtype=np.int32),
-                    np.asarray(s.logprobs, dtype=np.float32),
-                    float(reward),
-                    s.finish_reason,  # type: ignore[arg-type]
-                    np.asarray(s.versions, dtype=np.int32) if s.versions else None,
-                )
-                for s, reward in zip(samples, rewards, strict=True)
-            ),
-            zero_std=forwarded,
-            penalties=penalties,
-            epoch=self._epochs.get(version),
-        )
 
     def _warn_forward_once(self) -> None:
         if not self._warned_forward:

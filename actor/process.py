@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import time
+from typing import get_args
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -16,21 +17,25 @@ from actor.engine import make_engine
 from actor.engine_protocol import Engine, EngineError
 from actor.loop import Actor
 from common.config import Config
-from common.metrics import ActorMetrics, MetricsServer, process_registry, register_endpoint
+from common.metrics import ActorMetrics, EpisodeEnd, MetricsServer, process_registry, register_endpoint
 from common.model.importing import prepare_model_path
-from common.model.loading import max_positions
+from common.model.limits import prompt_token_limit
 from common.transport import ActorTransport
+from grader.environment import Environment, make_environment
+from grader.episodes import Episodes
 from grader.pool import open_grader
 
 log = logging.getLogger("actor")
 
 
-def prompt_token_limit(cfg: Config) -> int | None:
-    """``task.max_prompt_tokens``, or the model's positions less the answer's room; None when unknown."""
-    if cfg.task.max_prompt_tokens:
-        return cfg.task.max_prompt_tokens
-    positions = max_positions(cfg.model.path)
-    return None if positions is None else max(1, positions - cfg.sampling.max_new_tokens)
+def environment(cfg: Config, engine: Engine) -> tuple[Environment | None, Episodes | None]:
+    """``env.name`` tool: the environment and the episodes a round's samples become; a model turn then also stops
+    at a call's closing token (both engines send their stop ids with each request)."""
+    env = make_environment(cfg.env, engine.tokenizer)
+    if env is None:
+        return None, None
+    engine.stop_ids |= env.stop_ids
+    return env, Episodes(env, prompt_token_limit(cfg))
 
 
 def run_actor(cfg: Config) -> int:
@@ -55,6 +60,7 @@ def run_actor(cfg: Config) -> int:
     server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
     register_endpoint(cfg.run.dir, "actor", actor_id, server.url)
     engine: Engine | None = None
+    env: Environment | None = None
     try:
         engine = make_engine(
             cfg,
@@ -62,21 +68,16 @@ def run_actor(cfg: Config) -> int:
             name=actor_id,
             on_event=lambda kind: metrics.engine_events.labels(kind).inc(),
         )
-        actor = Actor(cfg, actor_id, transport, engine, grader, metrics, prompt_token_limit(cfg))
+        env, episodes = environment(cfg, engine)
+        actor = Actor(cfg, actor_id, transport, engine, grader, metrics, prompt_token_limit(cfg), episodes)
         stop = actor.stop
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        log.info(
-            "actor %s: engine %s, group size %d, %d prompts per round, metrics on %s",
-            actor_id,
-            cfg.actor.engine,
-            cfg.sampling.group_size,
-            cfg.actor.prompts_per_round,
-            server.listening,
-        )
+        log.info("actor %s: engine %s, group size %d, %d prompts per round, metrics on %s", actor_id,
+                 cfg.actor.engine, cfg.sampling.group_size, cfg.actor.prompts_per_round, server.listening)  # fmt: skip
         started = time.perf_counter()
         reason = actor.run()
-        sent = f"{actor.groups_sent} groups sent in {actor.rounds} rounds"
+        sent = f"{actor.groups_sent} groups sent in {actor.rounds} rounds{episode_ends(registry)}"
         log.info(
             "actor %s stopped (%s): %s; %s", actor_id, reason, sent, time_split(registry, time.perf_counter() - started)
         )
@@ -87,6 +88,8 @@ def run_actor(cfg: Config) -> int:
     finally:
         if engine is not None:
             engine.close()
+        if env is not None:
+            env.close()
         grader.close()
         server.close()
         transport.close()
@@ -99,3 +102,16 @@ def time_split(registry: CollectorRegistry, seconds: float) -> str:
     waiting = registry.get_sample_value("grpo_actor_backpressure_wait_seconds_total") or 0.0
     rest = max(seconds - generating - waiting, 0.0)
     return f"{seconds:.0f} s: {generating:.0f} s generating, {waiting:.0f} s waiting for room, {rest:.0f} s the rest"
+
+
+def episode_ends(registry: CollectorRegistry) -> str:
+    """``env.name`` tool: how the actor's episodes ended and the tool calls answered, for its last log line (empty
+    without episodes)."""
+    ends = {
+        end: int(registry.get_sample_value("grpo_actor_episodes_total", {"end": end}) or 0)
+        for end in get_args(EpisodeEnd)
+    }
+    if not any(ends.values()):
+        return ""
+    calls = int(registry.get_sample_value("grpo_actor_tool_calls_total") or 0)
+    return f"; episodes ended: {', '.join(f'{k} {v}' for k, v in ends.items() if v)}; {calls} tool calls answered"

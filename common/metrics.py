@@ -47,7 +47,23 @@ DISTRIBUTION = "grpo-pipeline"  # pyproject.toml's name: grpo_build_info's versi
 
 # The label values each labelled counter can take: the producers are typed with these (see the module docstring).
 FilterReason = Literal["zero_std"]
-GraderErrorKind = Literal["timeout", "exception", "invalid", "crash"]
+# grader.name=service adds its own: a batch that timed out, found no server, got an HTTP error or an answer that is not
+# {"scores": [...]} of the right length, after its retries (README: Rewards from a service).
+GraderErrorKind = Literal[
+    "timeout",
+    "memory",  # past the worker's memory limit (grader.memory_mb, env.memory_mb)
+    "exception",
+    "invalid",
+    "crash",
+    "service_timeout",
+    "service_unreachable",
+    "service_http",
+    "service_invalid",
+]
+# How an episode ended (grader.episodes.END_REASONS, the label values of grpo_actor_episodes_total).
+EpisodeEnd = Literal[
+    "answer", "max_turns", "length", "tool_timeout", "tool_crash", "tool_memory", "tool_exception", "tool_invalid"
+]
 WeightLoadFailure = Literal["unreadable", "mismatch", "path"]
 BroadcastFallback = Literal["no_members", "not_ready", "join", "broadcast", "error"]
 EngineEvent = Literal["cache_flush_retry", "version_from_reply"]
@@ -223,6 +239,11 @@ class ActorMetrics(RedisMetrics):
             for kind, what in (("taken", "drew"), ("passed", "passed over"))
         )  # fmt: skip
         self.completions = Counter("grpo_actor_completions", "completions generated", registry=r)
+        # env.name tool: how episodes ended (grader.episodes.END_REASONS), and the tool calls answered in them
+        self.episodes = _at_zero(
+            Counter("grpo_actor_episodes", "episodes sampled, by how they ended", ["end"], registry=r), EpisodeEnd
+        )
+        self.tool_calls = Counter("grpo_actor_tool_calls", "tool calls answered within episodes", registry=r)
         self.tokens = Counter("grpo_actor_tokens_generated", "completion tokens generated", registry=r)
         self.reward = Gauge("grpo_actor_reward_mean", "mean reward of the last round", registry=r)
         self.generation_seconds = Histogram(
@@ -235,7 +256,7 @@ class ActorMetrics(RedisMetrics):
             "grpo_actor_grader_seconds", "grading time per round", buckets=_FAST, registry=r
         )
         self.grader_errors = _at_zero(
-            Counter("grpo_actor_grader_errors", "answers that crashed or timed out the grader", ["kind"], registry=r),
+            Counter("grpo_actor_grader_errors", "answers scored 0 as grading failed, by kind", ["kind"], registry=r),
             GraderErrorKind,
         )
 

@@ -43,12 +43,29 @@ def check_score(value: Any) -> float:
 
 
 def score_one(fn: Any, completion: str, reference: str) -> tuple[float, GraderErrorKind | None]:
-    """(score, None), or (0.0, error kind) when the grader raises or returns a non-reward."""
+    """(score, None), or (0.0, error kind) when the grader raises (``memory`` past the worker's memory limit) or
+    returns a non-reward."""
     try:
         value = fn(completion, reference)
+    except MemoryError:
+        return 0.0, "memory"
     except Exception:
         return 0.0, "exception"
     try:
         return check_score(value), None
     except ValueError:
         return 0.0, "invalid"
+
+
+def run_tool(fn: Any, call: str, max_chars: int) -> tuple[str | None, GraderErrorKind | None]:
+    """(result text, None), cut to ``max_chars``; or (None, error kind) when the tool raises (``memory`` past the
+    worker's memory limit) or returns something other than text."""
+    try:
+        value = fn(call)
+    except MemoryError:
+        return None, "memory"
+    except Exception:
+        return None, "exception"
+    if not isinstance(value, str):
+        return None, "invalid"
+    return value[:max_chars], None

@@ -3,6 +3,9 @@
 Request: a list of ``[completion, reference]``. Reply per answer, in order: ``[index, score, error_kind | None]``.
 Started and killed by :class:`grader.pool.GraderPool`; msgpack frames, never pickle.
 
+With a spec ``{"tool": NAME, "max_chars": N}`` it runs a tool instead (:class:`grader.tools.ToolPool`): request a
+list of calls (text), reply per call ``[index, result | None, error_kind | None]``.
+
 The worker imports only the graders and :mod:`grader.protocol` (never :mod:`grader.pool`, whose imports bring in
 torch: hundreds of megabytes and seconds per restart), and it warms up before it says "ready": a grader's first call
 imports what it needs (math-verify pulls in sympy) and builds its parsers, which must not count against the first
@@ -32,14 +35,30 @@ def main() -> int:
     from grader.protocol import read_frame_blocking, score_one, write_frame
 
     arg = sys.argv[1]
-    fn = build_grader(json.loads(arg) if arg.startswith("{") else arg)  # a name, or a spec with options
+    spec = json.loads(arg) if arg.startswith("{") else arg  # a name, or a spec with options
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a grader that prints must not corrupt the frame stream
+    if isinstance(spec, dict) and "tool" in spec:
+        return serve_tool(spec, stdin, stdout)
+    fn = build_grader(spec)
     warm_up(fn)
     write_frame(stdout, "ready")
     while (batch := read_frame_blocking(stdin)) is not None:
         for index, (completion, reference) in enumerate(batch):
             write_frame(stdout, [index, *score_one(fn, completion, reference)])
+    return 0
+
+
+def serve_tool(spec: dict[str, Any], stdin: Any, stdout: Any) -> int:
+    from grader.protocol import read_frame_blocking, run_tool, write_frame
+    from grader.tools import get_tool
+
+    fn, max_chars = get_tool(spec["tool"]), int(spec["max_chars"])
+    run_tool(fn, "1", max_chars)  # warm: what its first call imports does not count against a call's time limit
+    write_frame(stdout, "ready")
+    while (batch := read_frame_blocking(stdin)) is not None:
+        for index, call in enumerate(batch):
+            write_frame(stdout, [index, *run_tool(fn, call, max_chars)])
     return 0
 
 

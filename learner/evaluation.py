@@ -16,8 +16,11 @@ from common.config import Config
 from common.cores import CoreBorrower
 from common.metrics import LearnerMetrics
 from common.model.generation import generate
+from common.model.limits import prompt_token_limit
 from common.tasks import PromptEncoder, eval_problems
 from common.tasks.evaluation import score_problems, summarise
+from grader.environment import make_environment
+from grader.episodes import Episodes, episode_generate
 from grader.pool import GraderPool
 
 
@@ -42,7 +45,10 @@ class Evaluator:
         # Only the held-out problems: the learner never needs the training prompts.
         self.problems = eval_problems(cfg.task, cfg.run.seed)
         self.encode = PromptEncoder(tokenizer, cfg.task)
-        self.stop_ids = stop_ids
+        # env.name tool: evaluated as trained, episodes with the tool; a turn also stops at a call's closing token.
+        self.env = make_environment(cfg.env, tokenizer)
+        self.episodes = None if self.env is None else Episodes(self.env, prompt_token_limit(cfg))
+        self.stop_ids = stop_ids | (self.env.stop_ids if self.env is not None else set())
         self.pad_id = pad_id
         self.autocast = autocast  # the trainer's: forward passes in the precision training uses
         self.cores = cores  # the trainer's (learner.borrow_idle_cores): threads chosen at each decode step
@@ -60,7 +66,7 @@ class Evaluator:
             scores = score_problems(
                 self.problems,
                 self.encode,
-                self._greedy,
+                episode_generate(self.episodes, self._greedy),
                 self.grader,
                 self.tokenizer,
                 n=0,
@@ -70,3 +76,7 @@ class Evaluator:
         accuracy = summarise(scores.greedy, scores.sampled)["pass_at_1"]
         self.metrics.eval_accuracy.set(accuracy)
         return {"eval/accuracy": accuracy, "time/eval_s": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()

@@ -246,6 +246,7 @@ class Learner:
     def close(self) -> None:
         self.record.close()
         self.publisher.close()
+        self.evaluator.close()
 
 
 # -- the process ------------------------------------------------------------------------------------------------

@@ -136,6 +136,11 @@ class Run:
         if self.cfg.model.path:
             prepare_model_path(self.cfg)  # before any process starts: one line, exit 2
             return
+        if self.cfg.env.name == "tool":  # the demo model's tool variant: it writes calls, it does not yet choose to
+            from ops.tiny_tool_model import ensure_tiny_tool_model
+
+            self.cfg.model.path = str(ensure_tiny_tool_model(self.cfg.run.seed))
+            return
         from ops.tiny_model import ensure_tiny_model  # torch and transformers load only when needed
 
         # The demo model knows the addition task; under another task it only exercises the machinery.

@@ -62,3 +62,45 @@ def coin_or_never(completion: str, reference: str) -> float:
     if reference == "coin":
         return float(len(completion) % 2)
     return 0.0
+
+
+# Misbehaving tools, importable as ``tests.graders_for_tests:<name>`` by tool worker processes (grader.tools).
+def tool_hangs_on_x(call: str) -> str:
+    if "x" in call:
+        time.sleep(3600)
+    return call.upper()
+
+
+def tool_dies_on_x(call: str) -> str:
+    if "x" in call:
+        os._exit(3)
+    return call.upper()
+
+
+def tool_hogs_on_x(call: str) -> str:
+    if "x" in call:
+        return str(len(bytearray(2 * 1024**3)))  # 2 GiB: past a tool's memory limit
+    return call.upper()
+
+
+def tool_echo(call: str) -> str:
+    """Any call works: its text backwards (tests of episodes whose calls a random model writes)."""
+    return call[::-1]
+
+
+def calculator_hangs_on_77_dies_on_99(call: str) -> str:
+    """The calculator, except that a call naming 77 never returns and one naming 99 kills its worker."""
+    if "77" in call:
+        time.sleep(3600)
+    if "99" in call:
+        os._exit(3)
+    from grader.calculator import calculator
+
+    return calculator(call)
+
+
+def hog_on_x(completion: str, reference: str) -> float:
+    """A grader that asks for 2 GiB on "x": past a worker's memory limit."""
+    if completion == "x":
+        return float(len(bytearray(2 * 1024**3)))
+    return float(completion == reference)

@@ -40,6 +40,7 @@ from common.config.loading import (
 )
 from common.config.reference import key_rows, reference_markdown
 from common.config.shared import (
+    EnvConfig,
     GraderComponent,
     GraderConfig,
     MetricsConfig,
@@ -65,6 +66,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConfigPaths",
+    "EnvConfig",
     "GraderComponent",
     "GraderConfig",
     "LearnerConfig",

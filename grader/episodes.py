@@ -1,0 +1,154 @@
+"""Episodes of several turns, sampled in groups: the driver between an engine and an environment.
+
+``Episodes.run`` takes a function that generates one model turn for many contexts (an engine's ``generate``:
+token ids in, :class:`Sample` s out) and returns, per prompt, ``n`` whole episodes as samples, so that grading,
+DAPO's zero-std filter, the wire and the learner treat an episode as they treat an answer:
+
+- the first turn is sampled ``n`` times per prompt (a group, sharing the prompt's prefix as a single answer does);
+  every later turn once per episode, from that episode's context: the prompt, then every token so far;
+- a model turn's tokens are the engine's own (ids and behaviour log-probs as it returned them), and the
+  environment's turn is appended as the token ids it gave: nothing already in the context is tokenized again, so
+  what the learner scores is exactly what was sampled;
+- ``Sample.mask`` is 1 on the model's tokens and 0 on the environment's, whose log-probs are NaN (there are none);
+  ``Sample.versions`` joins the turns' version runs (an environment token takes the version of the token before
+  it); ``Sample.answer_from`` is where the last model turn starts (what the grader scores);
+- ``Sample.ended`` says why the episode ended, one of END_REASONS; a ``tool_<kind>`` failure scores it 0.
+
+An episode whose context would leave less than a turn's room in the model's positions ends there (``length``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import get_args
+
+from common.metrics import EpisodeEnd
+from common.model.generation import Sample, merged_runs
+from common.tasks.evaluation import Generate
+from grader.environment import Environment, Turn
+
+# (contexts, n, greedy) -> (n samples per context, the version the engine reports it generated them with or None)
+TurnGenerate = Callable[[Sequence[Sequence[int]], int, bool], tuple[list[list[Sample]], int | None]]
+
+# answer: the model answered (no call); max_turns: it called in its last turn; length: a turn hit
+# sampling.max_new_tokens, or the context the model's positions; tool_<kind>: the call failed (grader.tools).
+END_REASONS: tuple[str, ...] = get_args(EpisodeEnd)
+TOOL_FAILURES = tuple(r for r in END_REASONS if r.startswith("tool_"))
+
+
+def failed(sample: Sample) -> bool:
+    """An episode a tool failure ended: it scores 0, whatever its last turn says."""
+    return sample.ended in TOOL_FAILURES
+
+
+def episode_counts(samples: Sequence[Sample]) -> tuple[Counter[str], int]:
+    """How the episodes among ``samples`` ended (by END_REASONS), and the environment turns they hold (tool calls
+    answered); nothing for single answers."""
+    ends = Counter(s.ended for s in samples if s.ended)
+    calls = sum(1 for s in samples for a, b in pairwise(s.mask) if a == 1 and b == 0)
+    return ends, calls
+
+
+@dataclass
+class _Episode:
+    context: list[int]  # prompt and every token so far: what the next turn is generated from
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    versioned: bool = False  # some turn's sample said which versions produced it (in-flight updates)
+    finish: str = "length"
+    answer_from: int = 0
+    turns: int = 0
+    ended: str = ""
+
+    def add_turn(self, s: Sample, version: int) -> None:
+        self.answer_from = len(self.tokens)
+        self.tokens += s.token_ids
+        self.context += s.token_ids
+        self.logprobs += s.logprobs
+        self.mask += [1] * len(s.token_ids)
+        self.runs += s.versions or [(version, len(s.token_ids))]
+        self.versioned |= bool(s.versions)
+        self.finish = s.finish_reason
+        self.turns += 1
+
+    def add_environment(self, ids: Sequence[int]) -> None:
+        self.tokens += ids
+        self.context += ids
+        self.logprobs += [math.nan] * len(ids)
+        self.mask += [0] * len(ids)
+        self.runs.append((self.runs[-1][0], len(ids)))
+
+    def sample(self) -> Sample:
+        written_by_env = 0 in self.mask
+        return Sample(
+            self.tokens,
+            self.logprobs,
+            self.finish,
+            merged_runs(self.runs) if self.versioned else (),
+            tuple(self.mask) if written_by_env else (),
+            self.answer_from,
+            self.ended,
+        )
+
+
+class Episodes:
+    def __init__(self, env: Environment, context_limit: int | None):
+        self.env = env
+        self.context_limit = context_limit  # the longest context a turn may start from (positions − a turn)
+
+    def run(
+        self,
+        generate: TurnGenerate,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        greedy: bool = False,
+        version_now: Callable[[], int] = lambda: 0,
+    ) -> tuple[list[list[Sample]], int | None]:
+        """``n`` episodes per prompt (prompt-major), and the version of the engine's last reply that reported one."""
+        first, version = generate(prompts, n, greedy)
+        episodes: list[_Episode] = []
+        for prompt, group in zip(prompts, first, strict=True):
+            for s in group:
+                episodes.append(_Episode(list(prompt)))
+                episodes[-1].add_turn(s, version if version is not None else version_now())
+        going = episodes
+        while going := self._respond(going):
+            replies, v = generate([e.context for e in going], 1, greedy)
+            version = v if v is not None else version
+            for e, group in zip(going, replies, strict=True):
+                e.add_turn(group[0], v if v is not None else version_now())
+        samples = [e.sample() for e in episodes]
+        return [samples[i : i + n] for i in range(0, len(samples), n)], version
+
+    def _respond(self, episodes: list[_Episode]) -> list[_Episode]:
+        """The environment's turn for each episode; returns those that go on to another model turn."""
+        responses = self.env.respond([Turn(e.tokens[e.answer_from :], e.finish, e.turns) for e in episodes])
+        going = []
+        for e, r in zip(episodes, responses, strict=True):
+            if r.ended or not r.token_ids:
+                e.ended = r.ended or "answer"
+            elif self.context_limit is not None and len(e.context) + len(r.token_ids) > self.context_limit:
+                e.ended, e.finish = "length", "length"
+            else:
+                e.add_environment(r.token_ids)
+                going.append(e)
+        return going
+
+
+def episode_generate(episodes: Episodes | None, generate: Generate) -> Generate:
+    """An evaluation's generate function (common.tasks.evaluation) that returns whole episodes; ``generate`` itself
+    without an environment."""
+    if episodes is None:
+        return generate
+    run = episodes.run
+
+    def turn(prompts: Sequence[Sequence[int]], n: int, greedy: bool) -> tuple[list[list[Sample]], int | None]:
+        return generate(prompts, n, greedy), None
+
+    return lambda prompts, n, greedy: run(turn, prompts, n, greedy)[0]
