@@ -26,15 +26,21 @@ def get_grader(name: str) -> Grader:
     """A built-in grader by name, or your own as ``package.module:function`` (importable where actors run)."""
     if name in GRADERS:
         return GRADERS[name]
+    return cast(Grader, import_function(name, "grader", ", ".join(sorted(GRADERS))))
+
+
+def import_function(name: str, what: str, built_in: str) -> Callable[..., Any]:
+    """Your own grader or tool, ``package.module:function``; KeyError saying what is wrong (``what`` names the kind,
+    ``built_in`` lists the built-in names)."""
     module, sep, attr = name.partition(":")
     if sep:
         try:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise KeyError(f"grader {name!r} cannot be imported: {e}") from None
+            raise KeyError(f"{what} {name!r} cannot be imported: {e}") from None
         if callable(fn):
-            return cast(Grader, fn)
-    raise KeyError(f"unknown grader {name!r}; built in: {', '.join(sorted(GRADERS))}, or module.path:function")
+            return cast(Callable[..., Any], fn)
+    raise KeyError(f"unknown {what} {name!r}; built in: {built_in}, or module.path:function")
 
 
 def build_grader(spec: str | Mapping[str, Any]) -> Grader:
@@ -62,4 +68,4 @@ def build_grader(spec: str | Mapping[str, Any]) -> Grader:
     return get_grader(name)
 
 
-__all__ = ["GRADERS", "Grader", "build_grader", "get_grader"]
+__all__ = ["GRADERS", "Grader", "build_grader", "get_grader", "import_function"]

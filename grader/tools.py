@@ -14,10 +14,11 @@ The pool never raises for a call: the episode ends, the actor goes on.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
+
+from grader import import_function
 
 if TYPE_CHECKING:  # the worker process that runs tools imports this module: no metrics library there
     from common.metrics import GraderErrorKind
@@ -31,15 +32,7 @@ def get_tool(name: str) -> Tool:
         from grader.calculator import calculator
 
         return calculator
-    module, sep, attr = name.partition(":")
-    if sep:
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise KeyError(f"tool {name!r} cannot be imported: {e}") from None
-        if callable(fn):
-            return cast(Tool, fn)
-    raise KeyError(f"unknown tool {name!r}; built in: calculator, or module.path:function")
+    return cast(Tool, import_function(name, "tool", "calculator"))
 
 
 @dataclass(frozen=True)

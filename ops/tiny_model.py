@@ -60,18 +60,20 @@ def build_tokenizer() -> Any:
     )
 
 
-def build_model(tokenizer: Any, seed: int = 0) -> Any:
+def build_model(tokenizer: Any, seed: int = 0, shape: dict[str, Any] | None = None) -> Any:
+    """A randomly initialised Llama of ``shape`` (the demo model's, MODEL_SHAPE, by default)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    shape = shape or MODEL_SHAPE
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        num_key_value_heads=MODEL_SHAPE["num_attention_heads"],
+        num_key_value_heads=shape["num_attention_heads"],
         max_position_embeddings=128,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **MODEL_SHAPE,
+        **shape,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
@@ -231,16 +233,21 @@ def build_cached(directory: Path, make: Callable[[Path], dict], what: str) -> Pa
     return directory
 
 
-def built_here(directory: str | Path, *, warm: bool, habit: float, seed: int) -> bool:
-    """Whether ``directory`` already holds the model this recipe, seed and warm start (or none) build: the build is
-    deterministic, so it need not run again."""
+def built_report(directory: str | Path) -> dict[str, Any]:
+    """The warm-start report of the model saved in ``directory``; empty when there is none (or no model)."""
     try:
         report = json.loads((Path(directory) / "warm_start.json").read_text())
     except (OSError, ValueError):
-        return False
+        return {}
+    return report if isinstance(report, dict) and (Path(directory) / "config.json").is_file() else {}
+
+
+def built_here(directory: str | Path, *, warm: bool, habit: float, seed: int) -> bool:
+    """Whether ``directory`` already holds the model this recipe, seed and warm start (or none) build: the build is
+    deterministic, so it need not run again."""
+    report = built_report(directory)
     return (
-        (Path(directory) / "config.json").is_file()
-        and report.get("recipe") == RECIPE_VERSION
+        report.get("recipe") == RECIPE_VERSION
         and report.get("seed") == seed
         and report.get("habit") == (habit if warm else None)
         and "variant" not in report  # the calculator model's report names its variant

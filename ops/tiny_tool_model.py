@@ -31,7 +31,6 @@ the tests; the pipeline's actors run episodes their own way.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 
 from common.model.importing import cache_dir
-from ops.tiny_model import build_cached, build_tokenizer, one_thread, save_atomically
+from ops.tiny_model import build_cached, build_model, build_tokenizer, built_report, one_thread, save_atomically
 
 CALL_OPEN = "("  # a model turn that calls the calculator starts with this...
 CALL_CLOSE = ")"  # ...and ends with this: generation stops here and the environment answers
@@ -141,20 +140,7 @@ def draw_pairs(
 
 
 def build_tool_model(tokenizer: Any, seed: int = 0) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        num_key_value_heads=MODEL_SHAPE["num_attention_heads"],
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **MODEL_SHAPE,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return build_model(tokenizer, seed, MODEL_SHAPE)
 
 
 @dataclass
@@ -324,13 +310,9 @@ def ensure_tiny_tool_model(seed: int = 0, *, tool_habit: float = 0.3) -> Path:
 
 def tool_built_here(directory: str | Path, *, warm: bool, tool_habit: float, seed: int) -> bool:
     """Whether ``directory`` already holds the calculator model this recipe, seed and warm start (or none) build."""
-    try:
-        report = json.loads((Path(directory) / "warm_start.json").read_text())
-    except (OSError, ValueError):
-        return False
+    report = built_report(directory)
     return (
-        (Path(directory) / "config.json").is_file()
-        and report.get("variant") == VARIANT
+        report.get("variant") == VARIANT
         and report.get("recipe") == TOOL_RECIPE_VERSION
         and report.get("seed") == seed
         and report.get("tool_habit") == (tool_habit if warm else None)
