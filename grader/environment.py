@@ -57,13 +57,7 @@ class ToolEnvironment:
     def __init__(self, cfg: EnvConfig, tokenizer: Any):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        close = tokenizer.encode(cfg.call_close, add_special_tokens=False)
-        if len(close) != 1:
-            raise ConfigError(
-                f"config error: env.call_close: {cfg.call_close!r} is {len(close)} tokens of this model's tokenizer; "
-                "a model turn stops at one token, so it must be exactly one"
-            )
-        self.close_id = int(close[0])
+        self.close_id = call_close_id(cfg, tokenizer)
         self.stop_ids = {self.close_id}
         try:
             self.pool = ToolPool(cfg.tool, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
@@ -100,6 +94,17 @@ class ToolEnvironment:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def call_close_id(cfg: EnvConfig, tokenizer: Any) -> int:
+    """The token a call ends with; ConfigError naming ``env.call_close`` when it is not exactly one token."""
+    close = tokenizer.encode(cfg.call_close, add_special_tokens=False)
+    if len(close) != 1:
+        raise ConfigError(
+            f"config error: env.call_close: {cfg.call_close!r} is {len(close)} tokens of this model's tokenizer; "
+            "a model turn stops at one token, so it must be exactly one"
+        )
+    return int(close[0])
 
 
 def make_environment(cfg: EnvConfig, tokenizer: Any) -> Environment | None:

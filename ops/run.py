@@ -156,6 +156,16 @@ class Run:
             task = make_task(self.cfg.task, self.cfg.run.seed)
             log.info("task: %d training prompts, %d held out", len(task.train), len(task.eval))
 
+    def check_env(self) -> None:
+        """``env.call_close`` must be one token of the model's tokenizer: one line and exit 2 here, not in every
+        actor (a model the actors' SGLang servers read from their own path is checked there)."""
+        if self.cfg.env.name == "tool" and Path(self.cfg.model.path).is_dir():
+            from transformers import AutoTokenizer
+
+            from grader.environment import call_close_id
+
+            call_close_id(self.cfg.env, AutoTokenizer.from_pretrained(self.cfg.model.path))
+
     def check_redis(self) -> None:
         """An unreachable Redis (or a refused password) is a user's mistake: one line, exit 2 (TransportError), before
         the run directory is touched. The private Redis has nothing to check."""
@@ -427,6 +437,7 @@ def start_run(run: Run, progress: Progress) -> None:
     fails on one leaves no directory behind."""
     run.check_task()
     run.prepare_model()
+    run.check_env()
     run.check_redis()
     run.prepare_dir()
     run.start_redis()
