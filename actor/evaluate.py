@@ -114,11 +114,9 @@ def evaluate(cfg: Any, n: int, adapter: Any = None) -> dict[str, Any]:
 
     from actor.engine import make_engine
     from common.model.importing import prepare_model_path
-    from common.model.limits import prompt_token_limit
     from common.tasks import PromptEncoder, eval_problems
     from common.tasks.evaluation import correctness, score_problems, summarise
-    from grader.environment import make_environment
-    from grader.episodes import Episodes, episode_generate
+    from grader.episodes import episode_generate, open_episodes
     from grader.pool import open_grader
 
     torch.set_num_threads(cfg.actor.torch_threads)
@@ -131,10 +129,7 @@ def evaluate(cfg: Any, n: int, adapter: Any = None) -> dict[str, Any]:
     grader = open_grader(
         correctness(cfg.grader)
     )  # right or wrong, not the training reward (see common.tasks.evaluation)
-    env = make_environment(cfg.env, engine.tokenizer)  # env.name tool: episodes with the tool, as trained
-    if env is not None:
-        engine.stop_ids |= env.stop_ids
-    episodes = None if env is None else Episodes(env, prompt_token_limit(cfg))
+    episodes = open_episodes(cfg, engine.tokenizer, engine.stop_ids)  # env.name tool: with the tool, as trained
     try:
         encode = PromptEncoder(engine.tokenizer, cfg.task)
         scores = score_problems(
@@ -150,8 +145,8 @@ def evaluate(cfg: Any, n: int, adapter: Any = None) -> dict[str, Any]:
     finally:
         grader.close()
         engine.close()
-        if env is not None:
-            env.close()
+        if episodes is not None:
+            episodes.close()
     return {
         "model": adapter.uri if adapter is not None else cfg.model.path,
         "task": cfg.task.eval_path or cfg.task.path or cfg.task.name,

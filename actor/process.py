@@ -21,21 +21,10 @@ from common.metrics import ActorMetrics, EpisodeEnd, MetricsServer, process_regi
 from common.model.importing import prepare_model_path
 from common.model.limits import prompt_token_limit
 from common.transport import ActorTransport
-from grader.environment import Environment, make_environment
-from grader.episodes import Episodes
+from grader.episodes import Episodes, open_episodes
 from grader.pool import open_grader
 
 log = logging.getLogger("actor")
-
-
-def environment(cfg: Config, engine: Engine) -> tuple[Environment | None, Episodes | None]:
-    """``env.name`` tool: the environment and the episodes a round's samples become; a model turn then also stops
-    at a call's closing token (both engines send their stop ids with each request)."""
-    env = make_environment(cfg.env, engine.tokenizer)
-    if env is None:
-        return None, None
-    engine.stop_ids |= env.stop_ids
-    return env, Episodes(env, prompt_token_limit(cfg))
 
 
 def run_actor(cfg: Config) -> int:
@@ -60,7 +49,7 @@ def run_actor(cfg: Config) -> int:
     server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
     register_endpoint(cfg.run.dir, "actor", actor_id, server.url)
     engine: Engine | None = None
-    env: Environment | None = None
+    episodes: Episodes | None = None
     try:
         engine = make_engine(
             cfg,
@@ -68,7 +57,7 @@ def run_actor(cfg: Config) -> int:
             name=actor_id,
             on_event=lambda kind: metrics.engine_events.labels(kind).inc(),
         )
-        env, episodes = environment(cfg, engine)
+        episodes = open_episodes(cfg, engine.tokenizer, engine.stop_ids)  # env.name tool
         actor = Actor(cfg, actor_id, transport, engine, grader, metrics, prompt_token_limit(cfg), episodes)
         stop = actor.stop
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -88,8 +77,8 @@ def run_actor(cfg: Config) -> int:
     finally:
         if engine is not None:
             engine.close()
-        if env is not None:
-            env.close()
+        if episodes is not None:
+            episodes.close()
         grader.close()
         server.close()
         transport.close()

@@ -24,12 +24,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import get_args
+from typing import Any, get_args
 
+from common.config import Config
 from common.metrics import EpisodeEnd
 from common.model.generation import Sample, merged_runs
+from common.model.limits import prompt_token_limit
 from common.tasks.evaluation import Generate
-from grader.environment import Environment, Turn
+from grader.environment import Environment, Turn, make_environment
 
 # (contexts, n, greedy) -> (n samples per context, the version the engine reports it generated them with or None)
 TurnGenerate = Callable[[Sequence[Sequence[int]], int, bool], tuple[list[list[Sample]], int | None]]
@@ -97,10 +99,24 @@ class _Episode:
         )
 
 
+def open_episodes(cfg: Config, tokenizer: Any, stop_ids: set[int]) -> Episodes | None:
+    """The run's episodes (``env.name`` tool), None for single answers. ``stop_ids`` (an engine's, or the learner's
+    evaluation's) gains the environment's in place: a model turn also stops at a call's closing token (both engines
+    send their stop ids with each request). Close the episodes to stop the tool's worker."""
+    env = make_environment(cfg.env, tokenizer)
+    if env is None:
+        return None
+    stop_ids |= env.stop_ids
+    return Episodes(env, prompt_token_limit(cfg))
+
+
 class Episodes:
     def __init__(self, env: Environment, context_limit: int | None):
         self.env = env
         self.context_limit = context_limit  # the longest context a turn may start from (positions − a turn)
+
+    def close(self) -> None:
+        self.env.close()
 
     def run(
         self,

@@ -48,6 +48,12 @@ class GradeResult:
     scores: list[float]
     errors: Counter[str] = field(default_factory=Counter)
 
+    def put(self, i: int, score: float, kind: str | None) -> None:
+        """Answer ``i``'s score, and its error counted when there is one."""
+        self.scores[i] = score
+        if kind:
+            self.errors[kind] += 1
+
 
 class _WorkerDied(Exception):
     pass
@@ -217,17 +223,13 @@ class GraderPool:
         assert self._session is not None
         result = GradeResult([0.0] * len(pairs))
         for i, (score, kind) in enumerate(self._session.run([[c, r] for c, r in pairs], self.timeout_s)):
-            result.scores[i] = 0.0 if score is None else float(score)  # None: lost with its worker
-            if kind:
-                result.errors[kind] += 1
+            result.put(i, 0.0 if score is None else float(score), kind)  # None: lost with its worker
         return result
 
     def _grade_inline(self, pairs: list[tuple[str, str]]) -> GradeResult:
         result = GradeResult([0.0] * len(pairs))
         for i, (completion, reference) in enumerate(pairs):
-            result.scores[i], kind = score_one(self._fn, completion, reference)
-            if kind:
-                result.errors[kind] += 1
+            result.put(i, *score_one(self._fn, completion, reference))
         return result
 
     def grade_samples(

@@ -188,9 +188,7 @@ class ServiceGrader(GraderPool):
             batch = pairs[start : start + self.batch_size]
             body = request_body(asked[start : start + len(batch)], [c for c, _ in batch], [r for _, r in batch])
             for i, (score, kind) in enumerate(self._score_batch(body, len(batch)), start):
-                result.scores[i] = score
-                if kind:
-                    result.errors[kind] += 1
+                result.put(i, score, kind)
         return result
 
     def _score_batch(self, body: bytes, n: int) -> list[Scored]:

@@ -16,11 +16,9 @@ from common.config import Config
 from common.cores import CoreBorrower
 from common.metrics import LearnerMetrics
 from common.model.generation import generate
-from common.model.limits import prompt_token_limit
 from common.tasks import PromptEncoder, eval_problems
 from common.tasks.evaluation import score_problems, summarise
-from grader.environment import make_environment
-from grader.episodes import Episodes, episode_generate
+from grader.episodes import episode_generate, open_episodes
 from grader.pool import GraderPool
 
 
@@ -46,9 +44,8 @@ class Evaluator:
         self.problems = eval_problems(cfg.task, cfg.run.seed)
         self.encode = PromptEncoder(tokenizer, cfg.task)
         # env.name tool: evaluated as trained, episodes with the tool; a turn also stops at a call's closing token.
-        self.env = make_environment(cfg.env, tokenizer)
-        self.episodes = None if self.env is None else Episodes(self.env, prompt_token_limit(cfg))
-        self.stop_ids = stop_ids | (self.env.stop_ids if self.env is not None else set())
+        self.stop_ids = set(stop_ids)
+        self.episodes = open_episodes(cfg, tokenizer, self.stop_ids)
         self.pad_id = pad_id
         self.autocast = autocast  # the trainer's: forward passes in the precision training uses
         self.cores = cores  # the trainer's (learner.borrow_idle_cores): threads chosen at each decode step
@@ -78,5 +75,5 @@ class Evaluator:
         return {"eval/accuracy": accuracy, "time/eval_s": time.perf_counter() - t0}
 
     def close(self) -> None:
-        if self.env is not None:
-            self.env.close()
+        if self.episodes is not None:
+            self.episodes.close()
