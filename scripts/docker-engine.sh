@@ -7,8 +7,9 @@
 #                                   "started PID" (stop it with `kill PID`; its log: build/docker-engine/dockerd.log)
 #
 # Compose v2: where `docker compose` is missing, Debian trixie's docker-compose package (Compose 2.26; bookworm has
-# only v1) is downloaded with an apt state of its own (the system's apt state is not touched) and its plugin copied
-# to /usr/local/lib/docker/cli-plugins/.
+# only v1; the newest of trixie, trixie-updates and trixie-security) is downloaded with an apt state of its own (the
+# system's apt state, installed packages included, is neither read nor touched) and its plugin copied to
+# /usr/local/lib/docker/cli-plugins/.
 #
 # Needs root and a kernel with cgroups. Exits 2 saying why in one line where no engine can be had.
 set -euo pipefail

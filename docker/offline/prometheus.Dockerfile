@@ -3,6 +3,9 @@
 # JavaScript and fonts they load (Debian ships these apart); wget for the healthcheck is in the offline base.
 ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
+# The tag names the upstream version; this label Debian's, its revision included (which security update).
+ARG DEBIAN_VERSION
+LABEL grpo-offline.debian-version="${DEBIAN_VERSION}"
 COPY usr/bin/prometheus usr/bin/promtool /usr/bin/
 COPY usr/share/prometheus /usr/share/prometheus/
 COPY usr/share/javascript /usr/share/javascript/

@@ -4,6 +4,9 @@
 # entrypoint does it with gosu).
 ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
+# The tag names the upstream version; this label Debian's, its revision included (which security update).
+ARG DEBIAN_VERSION
+LABEL grpo-offline.debian-version="${DEBIAN_VERSION}"
 WORKDIR /data
 VOLUME /data
 EXPOSE 6379

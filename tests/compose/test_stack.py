@@ -169,6 +169,51 @@ def test_the_gpu_override_merges_as_the_deploy_tests_assume(stack: Stack) -> Non
     assert set(real["learner"]["build"]["args"]) == set(assumed["learner"]["build"]["args"])
 
 
+def debian(script: str, *args: str) -> str:
+    """A bash script that has sourced scripts/lib/debian.sh, in the clone: the apt state the build used."""
+    done = subprocess.run(["bash", "-c", f"set -euo pipefail; source scripts/lib/debian.sh; {script}", "debian", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def candidate(package: str) -> str:
+    """The newest version of a package in bookworm and its updates, as the build's package lists have it."""
+    policy = debian('apt-get() { apt-cache "$@"; }; debian_apt bookworm policy "$1"', package)
+    return re.findall(r"Candidate: (\S+)", policy)[0]
+
+
+def test_the_images_carry_debians_updates_whatever_this_machine_has_installed(stack: Stack) -> None:
+    """The base is bookworm upgraded from bookworm-updates and bookworm-security: no package in it has a newer
+    version in the lists the build fetched (build/apt-bookworm, an apt state of the build's own that never reads this
+    machine's dpkg status); Redis's and Prometheus's images name their packages' Debian versions, the newest there."""
+    settings = dict(line.split("=", 1) for line in stack.env_file.read_text().splitlines() if "=" in line)
+    base = settings["PYTHON_IMAGE"]
+
+    def labels(image: str) -> dict[str, str]:
+        out = subprocess.run(["docker", "image", "inspect", "-f", "{{json .Config.Labels}}", image],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        return dict(json.loads(out) or {})
+
+    assert labels(base)["grpo-offline.debian-suites"] == "bookworm bookworm-updates bookworm-security"
+
+    def read(image: str, path: str) -> str:
+        cat = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "cat", image, path]
+        return subprocess.run(cat, capture_output=True, text=True, check=True).stdout
+
+    status = stack.tmp / "base-status"
+    status.write_text(read(base, "/var/lib/dpkg/status"))
+    assert debian('debian_upgradable bookworm "$1"', str(status)) == "", "the base lacks Debian's updates"
+    sources = read(base, "/etc/apt/sources.list")
+    assert [line.split()[2] for line in sources.splitlines()] == ["bookworm", "bookworm-updates", "bookworm-security"]
+    assert labels(settings["REDIS_IMAGE"])["grpo-offline.debian-version"] == candidate("redis-server")
+    assert labels(settings["PROMETHEUS_IMAGE"])["grpo-offline.debian-version"] == candidate("prometheus")
+    # Every package Prometheus's pages need, as the archive has it now (its security updates included).
+    newest = debian('debian_apt bookworm download --print-uris "$@"', "prometheus", "fonts-glyphicons-halflings")
+    have = {p.name for p in (REPO / "build" / "offline" / "prometheus").glob("*.deb")}
+    assert {line.split()[1] for line in newest.splitlines()} <= have, (newest, have)
+
+
 def test_the_cpu_stack_trains_scales_is_scraped_resumes_and_leaves_nothing(stack: Stack) -> None:
     images = stack.compose("config", "--images").stdout.split()
     missing = [i for i in images if subprocess.run(["docker", "image", "inspect", i], capture_output=True).returncode]
