@@ -62,6 +62,7 @@ class LocalEngine:
         self.base_intact = True  # the weights are model.path's: a LoRA version may be applied over them
         self._base: dict[str, str] | None = None  # model.path's identity, read at the first LoRA version
         self._group: tuple[str, Any] | None = None
+        self._staged: tuple[str, dict[str, torch.Tensor]] | None = None  # a round's weights, until it is announced
         self._generating = False  # a round is being sampled: loads must keep the model object (in-place copies)
         self.device = next(self.model.parameters()).device
         self.bf16 = resolve_bf16(cfg.actor.autocast, self.device.type)
@@ -128,8 +129,17 @@ class LocalEngine:
             self._apply_adapter(ann, state)
         else:
             self._replace_base(state)
+        self._fresh_casts()
         self.version = ann.version
         return nbytes
+
+    def _fresh_casts(self) -> None:
+        """After the weights changed: autocast keeps the bfloat16 copy of each float32 weight it cast until its
+        region ends, and a load mid-round (in-flight updates, keep) happens inside the region of the whole
+        ``generate`` call, so without this the Linear layers would go on computing with the old version's copies
+        while norms and embeddings (not cast) took the new one's. The cache is this thread's: loads run in the
+        thread that samples."""
+        torch.clear_autocast_cache()
 
     def _replace_base(self, state: dict[str, torch.Tensor]) -> None:
         """Whole weights: after adapters, checked against the base first, then the adapter goes and they replace
@@ -197,7 +207,8 @@ class LocalEngine:
             self._group = None
 
     def receive(self, rnd: Round, timeout_s: float) -> int:
-        """Every bucket first, then one load: a failed broadcast leaves the model as it was."""
+        """Every bucket, kept aside until :meth:`commit` (the round's announcement) loads them at once: a failed
+        broadcast, or one its learner never announced, leaves the model as it was."""
         import torch.distributed as dist
 
         if self._group is None or self._group[0] != rnd.group:
@@ -214,9 +225,22 @@ class LocalEngine:
                 self._group = None
                 raise WeightsError(f"a bucket of weights v{rnd.version} did not arrive: {e}") from None
             state |= unflatten(flat, b)
-        self._replace_base(state)  # (learner.lora sends adapters by disk: over NCCL come whole weights only)
-        self.version = rnd.version
+        self._staged = (rnd.id, state)
         return sum(b.nbytes for b in rnd.buckets)
+
+    def commit(self, rnd: Round) -> None:
+        """The round was announced: its weights replace the model's (learner.lora sends adapters by disk: over NCCL
+        come whole weights only)."""
+        staged, self._staged = self._staged, None
+        if staged is None or staged[0] != rnd.id:
+            raise WeightsError(f"weights v{rnd.version} of round {rnd.id} were not received")
+        self._replace_base(staged[1])
+        self._fresh_casts()
+        self.version = rnd.version
+
+    def discard(self, rnd: Round) -> None:
+        """Never announced: the weights received are dropped, the model's stay (its version too)."""
+        self._staged = None
 
     def close(self) -> None:
         if self._group is not None:

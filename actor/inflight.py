@@ -37,6 +37,8 @@ class Round:
     version: int = 0  # the policy version it was (or is being) generated with
     future: Future[tuple[list[list[Sample]], int | None]] | None = None
     samples: list[list[Sample]] = field(default_factory=list)
+    positions: list[int] | None = None  # each problem's prompt position (common.transport.prompts)
+    unsampled: dict[str, int] = field(default_factory=dict)  # counts of the positions drawn and not sampled
 
 
 def rounds_in_flight(cfg: Config, engine: Engine) -> int:

@@ -18,26 +18,24 @@ from typing import Any, cast
 import numpy as np
 
 from actor.engine_protocol import BetweenRounds, Engine, EngineError, load_if_due
-from actor.filter import Decision, ZeroStdFilter, filtered_stats, overlong_penalties, shaped
 from actor.inflight import InFlight, Round, rounds_in_flight, sampled_aside
-from actor.message import group_message
 from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
-from actor.prompts import PromptSource
+from actor.outgoing import FILTERED_ZERO_STD, Outgoing, RoundEncoder
+from actor.prompts import Drawn, PromptSource
 from actor.updates import Backoff, announcement_key, in_flight_updates, same_lineage
 from common.config import Config
+from common.liveness import Liveness
 from common.metrics import ActorMetrics
 from common.model.generation import Sample
 from common.model.limits import message_byte_limit
-from common.schemas import FORWARDED, FilteredStats, SchemaError, WeightsAnnouncement, counter, encode_group
+from common.schemas import FORWARDED, SchemaError, WeightsAnnouncement
 from common.tasks import Problem, PromptEncoder, make_task
-from common.transport import ActorTransport, Admission, round_fits
+from common.transport import ActorTransport, Admission, ClaimLost, round_fits
 from common.weights import WeightsError
 from grader.episodes import Episodes, episode_counts
 from grader.pool import GraderPool
 
 log = logging.getLogger("actor")
-_FILTERED_ZERO_STD = counter("filtered", "zero_std")  # the stats field of the groups the zero-std filter keeps back
-_DISCARDED_OVERSIZED = counter("discarded", "oversized")  # groups over redis.max_message_bytes, never sent
 
 
 class Actor:
@@ -51,8 +49,11 @@ class Actor:
         metrics: ActorMetrics,
         prompt_limit: int | None = None,
         episodes: Episodes | None = None,
+        liveness: Liveness | None = None,
     ):
         self.cfg = cfg
+        # The loop's beats, for /healthz (common.liveness): the heartbeat thread's Redis beats go on while it hangs.
+        self.liveness = liveness or Liveness(cfg.metrics.stall_after_s)
         # Prompts longer than this leave no room for an answer within the model's positions: skipped, counted.
         self.prompt_limit = prompt_limit
         self.id = actor_id
@@ -63,11 +64,11 @@ class Actor:
         self.task = make_task(cfg.task, cfg.run.seed)
         self.encode = PromptEncoder(engine.tokenizer, cfg.task)
         self.prompts = PromptSource(cfg, self.task, transport, metrics)
-        self.filter = ZeroStdFilter(cfg.actor.filter_zero_std, cfg.actor.max_consecutive_filtered)
+        self.outgoing = RoundEncoder(cfg, actor_id, message_byte_limit(cfg))
         self.stop = threading.Event()
         lc = cfg.learner
         self.admission = Admission(cfg.actor.max_stream_groups, lc.batch_groups, lc.max_staleness, lc.publish_every - 1)
-        self.max_message_bytes = message_byte_limit(cfg)
+        self.max_message_bytes = self.outgoing.max_message_bytes
         self.groups_sent = 0
         self.rounds = 0
         self.version_sampled = engine.version  # the policy version of the round being graded and sent
@@ -79,7 +80,6 @@ class Actor:
         self._prompt_ids: dict[str, list[int]] = {}
         self._malformed_seen: set[str] = set()  # reasons already said for malformed announcements
         self._load_backoff = Backoff()  # an announcement that failed to load is not tried again every round
-        self._warned_forward = False
         self._warned_long = False
         self._next_heartbeat = 0.0
         self._beat_lock = threading.Lock()  # the heartbeat thread and the loop beat alike
@@ -99,6 +99,7 @@ class Actor:
         beats.start()
         try:
             while not self.stop.is_set():
+                self.liveness.beat("between rounds", version=self.engine.version)
                 self.heartbeat()
                 if self.transport.is_done():
                     return "the learner finished the run"
@@ -106,7 +107,7 @@ class Actor:
                     self.receiver.poll(self.heartbeat)
                 self.reload_weights()
                 if self.engine.version < 0:  # a version arrived in part: sample nothing until a whole one is loaded
-                    self._wait(lambda: self.engine.version < 0)
+                    self._wait(lambda: self.engine.version < 0, doing="waiting for a whole version")
                     continue
                 rnd = self.next_round()
                 if rnd is None:
@@ -133,6 +134,7 @@ class Actor:
         ann = self._newer()
         if ann is None:
             return
+        self.liveness.beat(f"loading weights v{ann.version}")
         if self.updates is None or not same_lineage(self._epochs, self.engine.version, ann):
             self.in_flight.settle(self.heartbeat)  # no request of ours between the update and its cache flush
         self._load(ann)
@@ -214,7 +216,7 @@ class Actor:
             return ann is None or ann.version <= self.version_sampled
 
         # An announcement that arrived while this round was sampled (the previous version's) must not end the wait.
-        self._wait(behind, until_clear=True)
+        self._wait(behind, until_clear=True, doing="waiting for a new version")
 
     def next_round(self) -> Round | None:
         """Start rounds while a slot is free and there is room, then the oldest round once generated; None when the
@@ -222,13 +224,20 @@ class Actor:
         while (holder := self.in_flight.free_holder()) is not None:
             if not (self.wait_for_room(holder) if not self.in_flight.pending else self._reserve_round(holder)):
                 break
-            problems = self.next_problems()
-            if not problems:  # every prompt of the round was too long
-                self.transport.release_round(holder)
+            try:
+                drawn = self.next_problems(holder)
+            except ClaimLost as e:  # drawing more for the round (difficulty sampling) after its claim went
+                self._claim_lost(None, holder, e)
+                break
+            if not drawn.problems:  # every prompt of the round was too long: the round ends, its positions skipped
+                self._produce(Outgoing(counters=Counter(drawn.unsampled())), holder)
                 self.stop.wait(0.1)
                 break
+            problems = drawn.problems
             prompts = [self._encode_prompt(p) for p in problems]
-            self.in_flight.start(holder, problems, prompts, self.cfg.sampling.group_size)
+            self.liveness.beat("sampling a round", version=self.engine.version)
+            rnd = self.in_flight.start(holder, problems, prompts, self.cfg.sampling.group_size)
+            rnd.positions, rnd.unsampled = drawn.positions, drawn.unsampled()
         if not self.in_flight.pending:
             return None
         return self.sampled(self.in_flight.finish_oldest(self._while_sampling))
@@ -271,13 +280,22 @@ class Actor:
         except Exception as e:
             log.debug("releasing the rounds' reservations: %s", e)
 
-    def _wait(self, blocked: Callable[[], bool], *, until_clear: bool = False, deadline: float | None = None) -> None:
+    def _wait(
+        self,
+        blocked: Callable[[], bool],
+        *,
+        until_clear: bool = False,
+        deadline: float | None = None,
+        doing: str = "waiting for room",
+    ) -> None:
         """Wait while ``blocked()``, counted as backpressure; a weights announcement ends the wait early so that the
         caller re-checks its conditions, unless ``until_clear``. The run ending or a stop request always ends it,
         except with a ``deadline`` (a ``time.monotonic()`` value: a stopping actor waiting to send its last round),
-        which ends it instead."""
+        which ends it instead. It beats as it waits (``doing``): a learner that is slow or stopped keeps an actor
+        waiting, alive, for as long as it takes."""
         t0 = time.perf_counter()
         while (deadline is not None or not self.stop.is_set()) and blocked():
+            self.liveness.beat(doing)
             t0 = self._count_wait(t0)
             if deadline is not None and time.monotonic() >= deadline:
                 break
@@ -298,13 +316,16 @@ class Actor:
         self.metrics.backpressure_seconds.inc(now - since)
         return now
 
-    def next_problems(self) -> list[Problem]:
-        problems = self.prompts.draw(self.cfg.actor.prompts_per_round)
+    def next_problems(self, holder: str) -> Drawn:
+        """The next round's problems, drawn under ``holder``'s claim; those too long for the model are left out
+        (their positions in ``too_long``)."""
+        drawn = self.prompts.draw(self.cfg.actor.prompts_per_round, holder)
         if self.prompt_limit is None:
-            return problems
-        fitting = [p for p in problems if len(self._encode_prompt(p)) <= self.prompt_limit]
-        if len(fitting) < len(problems):
-            self.metrics.prompts_skipped.inc(len(problems) - len(fitting))
+            return drawn
+        problems = drawn.problems
+        fits = [len(self._encode_prompt(p)) <= self.prompt_limit for p in problems]
+        if not all(fits):
+            self.metrics.prompts_skipped.inc(fits.count(False))
             if not self._warned_long:
                 self._warned_long = True
                 longest = max(len(self._encode_prompt(p)) for p in problems)
@@ -315,7 +336,12 @@ class Actor:
                     self.prompt_limit,
                     longest,
                 )
-        return fitting
+        return Drawn(
+            [p for p, ok in zip(problems, fits, strict=True) if ok],
+            [x for x, ok in zip(drawn.positions, fits, strict=True) if ok],
+            drawn.passed,
+            [x for x, ok in zip(drawn.positions, fits, strict=True) if not ok],
+        )
 
     def _encode_prompt(self, problem: Problem) -> list[int]:
         ids = self._prompt_ids.get(problem.id)
@@ -342,6 +368,7 @@ class Actor:
         return rnd
 
     def grade(self, problems: list[Problem], groups: list[list[Sample]]) -> list[list[float]]:
+        self.liveness.beat("grading")
         t0 = time.perf_counter()
         n = self.cfg.sampling.group_size
         result = self.grader.grade_samples(
@@ -359,100 +386,78 @@ class Actor:
 
     def send(self, rnd: Round, rewards: list[list[float]]) -> None:
         """Filter zero-std groups (DAPO) and XADD the rest in one transaction with this round's counters and the
-        summary of what was filtered (for the learner's reward figures; counted in Redis, not carried by a group)."""
-        payloads, counters, filtered = self._filter_and_encode(rnd.problems, rnd.samples, rewards)
-        if self._produce(payloads, counters, filtered, rnd.holder):
-            self._count_sent(payloads, counters)
+        summary of what was filtered (for the learner's reward figures; counted in Redis, not carried by a group),
+        settling the round's claim with the fate of each of its prompt positions (actor.outgoing)."""
+        self.liveness.beat("sending")
+        out = self.outgoing.encode(rnd.problems, rnd.samples, rewards, prompt_ids=self._encode_prompt,
+                                   version_sampled=self.version_sampled, epochs=self._epochs,
+                                   positions=rnd.positions)  # fmt: skip
+        out.counters.update(rnd.unsampled)
+        if self._produce(out, rnd.holder):
+            self._count_sent(out)
         self.prompts.record(rnd.problems, rewards)  # what each problem taught, sent or not (difficulty sampling)
 
-    def _filter_and_encode(
-        self, problems: list[Problem], groups: list[list[Sample]], rewards: list[list[float]]
-    ) -> tuple[list[bytes], Counter[str], FilteredStats]:
-        """The round's group messages to send, its counters, and the summary of the groups it filtered out."""
-        payloads: list[bytes] = []
-        counters: Counter[str] = Counter()
-        filtered = FilteredStats()
-        for problem, samples, r in zip(problems, groups, rewards, strict=True):
-            # An episode's length is its last turn's, which sampling.max_new_tokens bounds as it bounds an answer.
-            lengths = [len(x.token_ids) - x.answer_from for x in samples]
-            penalties = overlong_penalties(lengths, self.cfg.sampling, self.cfg.shaping)
-            decision = self.filter.decide(shaped(r, penalties))
-            if decision is Decision.FILTER:
-                filtered += filtered_stats(r)
-                counters[_FILTERED_ZERO_STD] += 1
-                continue
-            if decision is Decision.FORWARD:
-                counters[FORWARDED] += 1
-                self._warn_forward_once()
-            message = group_message(
-                problem,
-                self._encode_prompt(problem),
-                samples,
-                r,
-                penalties,
-                forwarded=decision is Decision.FORWARD,
-                actor_id=self.id,
-                version_sampled=self.version_sampled,
-                epochs=self._epochs,
-            )
-            payload = encode_group(message)
-            if len(payload) > self.max_message_bytes:  # the write script would refuse the round: not this group
-                counters[_DISCARDED_OVERSIZED] += 1
-                log.warning("discarding a group of %d bytes, over redis.max_message_bytes (%d)", len(payload),
-                            self.max_message_bytes)  # fmt: skip
-                continue
-            payloads.append(payload)
-        return payloads, counters, filtered
-
-    def _produce(self, payloads: list[bytes], counters: Counter[str], filtered: FilteredStats, holder: str) -> bool:
-        """Write the round; False when it was discarded instead (the run ended, or stopping ran out of time)."""
+    def _produce(self, out: Outgoing, holder: str) -> bool:
+        """Write the round, settling its claim on its prompt positions; False when it was discarded instead (the
+        run ended, stopping ran out of time, or the claim was lost)."""
         # The bound is checked again with the writes, atomically: many actors together never overshoot it. A round
         # that does not fit waits whole (never half a round), also when the actor is asked to stop: then for up to
         # actor.stop_send_timeout_s, past which it is discarded, counted.
         bound = self.cfg.actor.max_stream_groups
         deadline: float | None = None
-        limit = self.max_message_bytes
-        while self.transport.produce(payloads, dict(counters), bound=bound, holder=holder, filtered=filtered,
-                                     max_bytes=limit) is None:  # fmt: skip
+        while True:
+            try:
+                if self.transport.produce(out.payloads, dict(out.counters), bound=bound, holder=holder,
+                                          filtered=out.filtered, max_bytes=self.max_message_bytes,
+                                          claim=True) is not None:  # fmt: skip
+                    return True
+            except ClaimLost as e:
+                self._claim_lost(out, holder, e)
+                return False
             if self.transport.is_done():  # the learner reads no more
-                self._discard(payloads, counters, filtered, "run_done", holder)
+                self._discard(out, "run_done", holder)
                 return False
             if self.stop.is_set() and deadline is None:
                 deadline = time.monotonic() + self.cfg.actor.stop_send_timeout_s
                 log.info("stopping: waiting up to %.0fs for room to send the round in hand (%d groups)",
-                         self.cfg.actor.stop_send_timeout_s, len(payloads))  # fmt: skip
+                         self.cfg.actor.stop_send_timeout_s, len(out.payloads))  # fmt: skip
             if deadline is not None and time.monotonic() >= deadline:
-                self._discard(payloads, counters, filtered, "stopped", holder)
+                self._discard(out, "stopped", holder)
                 return False
-            self._wait(lambda: not round_fits(self.transport.unread(), len(payloads), bound), deadline=deadline)
-        return True
+            self._wait(lambda: not round_fits(self.transport.unread(), len(out.payloads), bound), deadline=deadline)
 
-    def _count_sent(self, payloads: list[bytes], counters: Counter[str]) -> None:
-        self.groups_sent += len(payloads)
+    def _count_sent(self, out: Outgoing) -> None:
+        self.groups_sent += len(out.payloads)
         self.rounds += 1
-        self.metrics.groups_produced.inc(len(payloads))
-        if counters[_FILTERED_ZERO_STD]:
-            self.metrics.groups_filtered.labels("zero_std").inc(counters[_FILTERED_ZERO_STD])
-        if counters[FORWARDED]:
-            self.metrics.groups_forwarded.inc(counters[FORWARDED])
+        self.metrics.groups_produced.inc(len(out.payloads))
+        if out.counters[FILTERED_ZERO_STD]:
+            self.metrics.groups_filtered.labels("zero_std").inc(out.counters[FILTERED_ZERO_STD])
+        if out.counters[FORWARDED]:
+            self.metrics.groups_forwarded.inc(out.counters[FORWARDED])
 
-    def _discard(
-        self, payloads: list[bytes], counters: Counter[str], filtered: FilteredStats, reason: str, holder: str
-    ) -> None:
+    def _discard(self, out: Outgoing, reason: str, holder: str) -> None:
         """A round that will not be sent: counted as ``groups_discarded:<reason>`` (with the round's other counters
         and what it filtered), so that the sampling it cost shows."""
-        log.warning("discarding a round of %d groups: %s", len(payloads), reason.replace("_", " "))
-        counters = Counter({**counters, counter("discarded", reason): len(payloads)})
-        self.transport.produce([], dict(counters), holder=holder, filtered=filtered)
+        log.warning("discarding a round of %d groups: %s", len(out.payloads), reason.replace("_", " "))
+        try:
+            self.transport.produce([], dict(out.discarded(reason)), holder=holder, filtered=out.filtered, claim=True)
+        except ClaimLost as e:
+            self._claim_lost(out, holder, e)
 
-    def _warn_forward_once(self) -> None:
-        if not self._warned_forward:
-            self._warned_forward = True
-            log.warning(
-                "%d groups in a row had equal rewards (prompts too easy or too hard for the model): sending zero-std "
-                "groups flagged so the learner does not starve (counted as zero_std_forwarded; warned once)",
-                self.cfg.actor.max_consecutive_filtered,
-            )
+    def _claim_lost(self, out: Outgoing | None, holder: str, e: ClaimLost) -> None:
+        """The round's positions went to other actors while this one was gone past its lease (frozen, cut off from
+        Redis): sent, they would repeat prompts another round is sampling. Its groups are discarded, counted as
+        ``groups_discarded:claim_lost`` with what the round filtered (the sampling it cost); its positions are
+        counted where they went (``prompts_requeued:lost``), so none of its ``prompts_*`` counters is written.
+        ``out`` is None for a round lost while it was still drawing its positions (difficulty sampling)."""
+        what = "a round still drawing its prompts" if out is None else f"a round of {len(out.payloads)} groups"
+        log.warning("discarding %s: %s (this actor was stopped or cut off for longer than run.heartbeat_ttl_s; "
+                    "other actors draw its prompts again)", what, e)  # fmt: skip
+        counters = {} if out is None else dict(out.discarded("claim_lost"))
+        counters = {k: n for k, n in counters.items() if not k.startswith("prompts_")}
+        filtered = None if out is None else out.filtered
+        if not (counters and self.transport.produce([], counters, holder=holder, filtered=filtered)):
+            self.transport.release_round(holder)  # (its reservation; no claim is left to give back)
 
     def heartbeat(self) -> None:
         """Refresh ``actors:<id>`` (and the NCCL registration) when a third of its TTL has passed since the last

@@ -5,6 +5,14 @@ round of the learner that names it, says it is ready, and waits for the learner'
 version will come from disk as usual; ``go``, and it joins the round's update group if that is a new one (leaving the
 one it had) and its engine receives the buckets. Every wait is bounded by ``weights.nccl_timeout_s``. The slowest member
 decides when a version goes out: actors that finish their round first wait for it (at most about one round).
+
+What arrived is taken into service only once the learner that sent it announced it, behind its lease's fence: the
+announcement of exactly that round (common.weights.nccl.announcement_uri). Until then the local engine keeps the
+buckets aside and samples with the version it had; a SGLang server has loaded them as they came, so its engine
+samples nothing. An announcement of anything else (another learner's version of the same number, a version written
+to disk instead), or none within ``weights.nccl_timeout_s``, and what arrived is dropped: the local engine never
+applied it, and a SGLang server holds weights nobody announced, like a server that took part of a version, until a
+whole announced one is loaded (over NCCL or from disk).
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ from typing import Any, Protocol
 
 from common.config import Config
 from common.metrics import ActorMetrics
-from common.schemas import Round
+from common.schemas import Round, SchemaError, WeightsAnnouncement
 from common.transport import ActorTransport
 from common.weights import WeightsError
+from common.weights.nccl import announcement_uri
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +43,23 @@ class NcclEngine(Protocol):
     def leave_group(self, group: str) -> None: ...
 
     def receive(self, rnd: Round, timeout_s: float) -> int:
-        """Take the round's buckets (the learner is broadcasting them now) as version ``rnd.version``; returns the
-        bytes received. Raises WeightsError when the engine kept its weights and can go on, EngineError when not."""
+        """Take the round's buckets (the learner is broadcasting them now), not yet in service; returns the bytes
+        received. Raises WeightsError when the engine kept its weights and can go on, EngineError when not."""
+        ...
+
+    def commit(self, rnd: Round) -> None:
+        """The round's version was announced: it is the engine's version from now on."""
+        ...
+
+    def discard(self, rnd: Round) -> None:
+        """The round's version was never announced: what arrived is not served (the engine keeps the version it had,
+        or, where it could not keep the old weights, samples nothing until it loads a whole announced one)."""
         ...
 
 
 def supports_nccl(engine: Any) -> bool:
     """Whether the engine can join update groups (nccl_ranks 0: it could in general, this one cannot)."""
-    methods = all(hasattr(engine, a) for a in ("join_group", "leave_group", "receive"))
+    methods = all(hasattr(engine, a) for a in ("join_group", "leave_group", "receive", "commit", "discard"))
     return methods and int(getattr(engine, "nccl_ranks", 0)) > 0
 
 
@@ -141,11 +159,62 @@ class Receiver:
             log.warning("%s; it comes from disk", e)
             self._leave()
             return False
+        return self._serve(rnd, heartbeat, t0, nbytes)
+
+    def _serve(self, rnd: Round, heartbeat: Any, t0: float, nbytes: int) -> bool:
+        """The round's buckets arrived: serve them once its learner has announced them (behind its fence), else
+        drop them."""
+        try:
+            why = self._announcement(rnd, heartbeat)
+        except BaseException:  # (Redis gone past its retries: the actor stops; nothing unannounced is kept)
+            self.engine.discard(rnd)
+            raise
+        if why:
+            self.engine.discard(rnd)
+            log.warning("weights v%d arrived over NCCL (round %s) but %s: not used", rnd.version, rnd.id, why)
+            return False
+        try:
+            self.engine.commit(rnd)
+        except WeightsError as e:  # (they did not fit the model: it is as it was)
+            log.warning("%s; it comes from disk", e)
+            return False
         seconds = time.perf_counter() - t0
         self.metrics.weight_load_seconds.labels("nccl").observe(seconds)
         self.metrics.policy_version.set(rnd.version)
-        log.debug("received weights v%d (%.1f MB) over NCCL in %.3fs", rnd.version, nbytes / 1e6, seconds)
+        log.debug("received weights v%d (%.1f MB) over NCCL in %.3fs, announced (round %s)", rnd.version,
+                  nbytes / 1e6, seconds, rnd.id)  # fmt: skip
         return True
+
+    def _announcement(self, rnd: Round, heartbeat: Any) -> str:
+        """Wait for the announcement of ``rnd`` (the learner writes it, behind its fence, once its broadcast is
+        complete): '' once ``weights:latest`` names the round; else why not: it announces another version of that
+        number or above (another learner's, or the version went to disk), or changed to another one, or none came
+        within ``weights.nccl_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.weights.nccl_timeout_s
+        before = self._latest()
+        while True:
+            ann = self._latest()
+            if announces(ann, rnd):
+                return ""
+            if ann is not None and (ann != before or ann.version >= rnd.version):  # a newer one, or another's
+                return f"weights:latest announces v{ann.version} ({ann.uri}) instead"
+            if self.stop.is_set():
+                return "the actor is stopping"
+            if time.monotonic() > deadline:
+                return f"its learner did not announce it within {self.cfg.weights.nccl_timeout_s:.0f}s"
+            heartbeat()
+            time.sleep(0.02)
+
+    def _latest(self) -> WeightsAnnouncement | None:
+        try:
+            return self.transport.latest_weights()
+        except SchemaError:  # garbage in weights:latest names no round; the actor's loop says so
+            return None
+
+
+def announces(ann: WeightsAnnouncement | None, rnd: Round) -> bool:
+    """Whether ``ann`` is the announcement of the version sent in ``rnd`` (by its learner, under its fence)."""
+    return ann is not None and ann.format == "nccl" and ann.version == rnd.version and ann.uri == announcement_uri(rnd)
 
 
 def reachable(address: str, port: int, timeout_s: float) -> None:

@@ -17,6 +17,7 @@ from actor.engine import make_engine
 from actor.engine_protocol import Engine, EngineError
 from actor.loop import Actor
 from common.config import Config
+from common.liveness import Liveness
 from common.metrics import ActorMetrics, EpisodeEnd, MetricsServer, process_registry, register_endpoint
 from common.model.importing import prepare_model_path
 from common.model.limits import prompt_token_limit
@@ -40,17 +41,16 @@ def run_actor(cfg: Config) -> int:
     if (g := cfg.sampling.group_size) <= 3:
         log.warning("group size %d: with so few answers grader noise becomes a full ±1 advantage", g)
 
-    actor: Actor | None = None
-
-    def health() -> tuple[bool, dict]:
-        return True, {"role": "actor", "id": actor_id, "version": actor.engine.version if actor else None}
-
+    # /healthz: the loop's beats within metrics.stall_after_s (common.liveness); the engine's start has its own bound.
+    liveness = Liveness(cfg.metrics.stall_after_s, role="actor", id=actor_id, version=None)
     grader = open_grader(cfg.grader)
-    server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
+    server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, liveness.report)
     register_endpoint(cfg.run.dir, "actor", actor_id, server.url)
     engine: Engine | None = None
     episodes: Episodes | None = None
     try:
+        # Loading the model, or launching a SGLang server and waiting up to sglang.ready_timeout_s for it.
+        liveness.beat("starting the engine", cfg.sglang.ready_timeout_s + cfg.metrics.stall_after_s, starting=True)
         engine = make_engine(
             cfg,
             seed=cfg.run.seed * 1_000_003 + os.getpid(),
@@ -58,7 +58,7 @@ def run_actor(cfg: Config) -> int:
             on_event=lambda kind: metrics.engine_events.labels(kind).inc(),
         )
         episodes = open_episodes(cfg, engine.tokenizer, engine.stop_ids)  # env.name tool
-        actor = Actor(cfg, actor_id, transport, engine, grader, metrics, prompt_token_limit(cfg), episodes)
+        actor = Actor(cfg, actor_id, transport, engine, grader, metrics, prompt_token_limit(cfg), episodes, liveness)
         stop = actor.stop
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

@@ -4,22 +4,45 @@
 alike). ``difficulty``: the same positions, each problem taken or passed over by what its recent groups taught
 (actor.difficulty, the pure decisions), positions claimed until the round is whole; after grading, the round's
 outcomes are added to the run's record (common.transport.difficulty), which every actor reads.
+
+Either way the positions are drawn under the round holder's claim (common.transport.prompts): positions another
+actor gave back come first, and the round's write settles the claim with the fate of every position it drew (its
+problems, and those passed over), so that the prompts' accounting balances.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import redis
 
 from actor.difficulty import Draw, choose, outcome, position_cap
 from common.config import Config
 from common.metrics import ActorMetrics
+from common.schemas import prompt_counter
 from common.tasks import Problem, Task
 from common.transport import ActorTransport
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Drawn:
+    """A round's problems and the cursor position each was drawn at, and the positions drawn and never sampled:
+    passed over by difficulty sampling, or too long for the model (:meth:`actor.loop.Actor.next_problems`)."""
+
+    problems: list[Problem] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    passed: list[int] = field(default_factory=list)
+    too_long: list[int] = field(default_factory=list)
+
+    def unsampled(self) -> dict[str, int]:
+        """The round's counts of the positions it skipped (``prompts_skipped:<reason>``)."""
+        counts = {prompt_counter("skipped", "difficulty"): len(self.passed),
+                  prompt_counter("skipped", "too_long"): len(self.too_long)}  # fmt: skip
+        return {k: n for k, n in counts.items() if n}
 
 
 class PromptSource:
@@ -30,35 +53,43 @@ class PromptSource:
         self.seed = cfg.run.seed
         self.task = task
         self.transport = transport
+        self.lease_s = cfg.run.heartbeat_ttl_s  # a claim lasts as the round's reservation does, renewed with it
         self.metrics = metrics
         self._counts: dict[str, int] = {}  # choices made since the record was last written
         self._record_broken = False  # the record's key holds something else: draw in the cursor's order
 
-    def draw(self, k: int) -> list[Problem]:
+    def draw(self, k: int, holder: str) -> Drawn:
+        """The problems of ``holder``'s next round, drawn under its claim."""
         if not self.by_difficulty:
-            return [self.task.at(p) for p in self.transport.next_prompts(k)]
-        taken: list[Problem] = []
-        passed: list[Problem] = []
+            positions = self.transport.next_prompts(k, holder, self.lease_s)
+            return Drawn([self.task.at(p) for p in positions], list(positions))
+        out = Drawn()
+        passed: list[tuple[int, Problem]] = []
         claimed, cap = 0, position_cap(k, self.floor)
         in_round: set[str] | None = set() if k <= len(self.task.train) else None  # no problem twice in a round
-        while len(taken) < k and claimed < cap:
-            positions = self.transport.next_prompts(min(k - len(taken), cap - claimed))  # never more than it needs
+        while len(out.problems) < k and claimed < cap:
+            want = min(k - len(out.problems), cap - claimed)  # never more than it needs
+            positions = self.transport.next_prompts(want, holder, self.lease_s, new_round=claimed == 0)
             claimed += len(positions)
             problems = [self.task.at(p) for p in positions]
             ids = [p.id for p in problems]
             draw = choose(positions, self._histories(problems), self.seed, self.floor, ids, in_round)
-            taken += [problems[i] for i in draw.taken]
-            passed += [problems[i] for i in draw.passed]
+            out.problems += [problems[i] for i in draw.taken]
+            out.positions += [positions[i] for i in draw.taken]
+            passed += [(positions[i], problems[i]) for i in draw.passed]
             self._count(draw)
-        if len(taken) < k:  # the cap: a whole round of the problems passed over first (see position_cap)
+        if len(out.problems) < k:  # the cap: a whole round of the problems passed over first (see position_cap)
             log.info("difficulty sampling passed over %d positions for a round of %d: taking %d of them", claimed, k,
-                     k - len(taken))  # fmt: skip
-            for p in passed:
-                if len(taken) < k and (in_round is None or p.id not in in_round):
-                    taken.append(p)
+                     k - len(out.problems))  # fmt: skip
+            for position, p in list(passed):
+                if len(out.problems) < k and (in_round is None or p.id not in in_round):
+                    out.problems.append(p)
+                    out.positions.append(position)
+                    passed.remove((position, p))
                     if in_round is not None:
                         in_round.add(p.id)
-        return taken
+        out.passed = [position for position, _ in passed]
+        return out
 
     def record(self, problems: Sequence[Problem], rewards: Sequence[Sequence[float]]) -> None:
         """Add a graded round's outcomes to the run's record, with the choices counted since the last round."""

@@ -222,6 +222,7 @@ class SGLangEngine:
     # The server batches concurrent requests (continuous batching): an actor keeps sglang.rounds_in_flight going.
     batches_concurrent_requests = True
     adapter: str | None = None  # learner.lora: the loaded adapter every request names (none: the served weights)
+    _received: str | None = None  # weights.transport nccl: the round whose weights the server took, unannounced yet
 
     def failed(self) -> str | None:
         """Why the server this engine launched is gone, or None: asked while the actor waits (for room, say), so that
@@ -431,8 +432,11 @@ class SGLangEngine:
 
     def receive(self, rnd: Round, timeout_s: float) -> int:
         """One weight-update session: each bucket as SGLang's ``flattened_bucket``, the version and a cache flush with
-        the last one. Called between rounds of sampling, so no generation sees half a version. Raises
-        :class:`WeightsError` when the server refused or failed and still answers, :class:`EngineError` when not."""
+        the last one. Called between rounds of sampling, so no generation sees half a version (requests already
+        sent hold SGLang's model-update lock, and the update waits for them). The server loads each bucket as it
+        comes, so from the first one on it holds weights nobody announced yet: the engine's version is -1, and the
+        actor samples nothing, until :meth:`commit`. Raises :class:`WeightsError` when the server refused or failed
+        and still answers, :class:`EngineError` when not."""
         updated = False
         try:
             self._update_call("/begin_weight_update", {}, timeout_s)
@@ -444,19 +448,32 @@ class SGLangEngine:
                                             "flush_cache": last, "abort_all_requests": False}  # fmt: skip
                     if last:
                         body["weight_version"] = str(rnd.version)
-                    updated = True
+                    updated, self.version = True, -1
                     self._update_call("/update_weights_from_distributed", body, timeout_s)
             finally:
                 self._update_call("/end_weight_update", {}, timeout_s)
         except EngineError as e:
             if updated:  # SGLang loads each bucket as it comes: the server holds a mix of two versions now
-                self.version = -1
                 log.warning("weights v%d arrived in part: no sampling until a whole version is loaded", rnd.version)
             self._unless_stuck(f"weights v{rnd.version} over NCCL", e)
+        self._received = rnd.id
+        return sum(b.nbytes for b in rnd.buckets)
+
+    def commit(self, rnd: Round) -> None:
+        """The round was announced: the weights the server took are this version."""
+        if self._received != rnd.id:
+            raise WeightsError(f"weights v{rnd.version} of round {rnd.id} were not received")
+        self._received = None
         self.version = rnd.version
         self.served = str(rnd.version)
         self._drop_adapter()
-        return sum(b.nbytes for b in rnd.buckets)
+
+    def discard(self, rnd: Round) -> None:
+        """Never announced: the server holds weights nobody announced (version -1, no sampling) until a whole
+        announced version is loaded, as after a version that arrived in part."""
+        self._received = None
+        log.warning("the SGLang server holds weights v%d of round %s, which were never announced: no sampling until "
+                    "an announced version is loaded", rnd.version, rnd.id)  # fmt: skip
 
     def close(self) -> None:
         if self.server is not None:

@@ -60,8 +60,10 @@ def receiver(model_dir: str, device: str) -> int:
             engine.load(WeightsAnnouncement.from_hash(cmd["ann"]))
         elif cmd["op"] == "join":
             engine.join_group(Round.from_json(cmd["round"]), cmd["offset"], TIMEOUT_S)
-        elif cmd["op"] == "recv":
-            engine.receive(Round.from_json(cmd["round"]), TIMEOUT_S)
+        elif cmd["op"] == "recv":  # the buckets, then loaded into the model (as the round's announcement does)
+            rnd = Round.from_json(cmd["round"])
+            engine.receive(rnd, TIMEOUT_S)
+            engine.commit(rnd)
         print(json.dumps({"done": cmd["op"]}), flush=True)
     engine.close()
     return 0

@@ -4,11 +4,11 @@ registers its own, so this module knows no role, and heavy libraries are importe
 
 Exit codes: 0 done (or stopped on request); 2 a user's mistake (invalid config, Redis unreachable at start or a
 refused password or command, missing model path, a run, weights or checkpoint directory that is read-only or full),
-one line on stderr; 3 Redis lost mid-run and still unreachable after
-``redis.retries`` reconnect attempts (a supervisor restarts the process; nothing is lost, see docs/operations.md, "What
-survives what"); 4 the run is held by another live learner (``learner.if_held: exit``, or ``learner.held_wait_s``
-spent waiting); 5 the learner found another one had taken its run over, and stopped at once; 130 Ctrl-C. Anything
-else is a bug and keeps its traceback.
+one line on stderr; 3 Redis lost mid-run and still unreachable after ``redis.retries`` reconnect attempts, or
+refusing commands for now (full, busy ...) for ``redis.full_wait_s`` (a supervisor restarts the process; nothing is
+lost, see docs/operations.md, "What survives what"); 4 the run is held by another live learner (``learner.if_held:
+exit``, or ``learner.held_wait_s`` spent waiting); 5 the learner found another one had taken its run over, and stopped
+at once; 130 Ctrl-C. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def run_command(name: str, argv: list[str], commands: dict[str, object]) -> int:
     list), a bug keeps its traceback."""
     import redis
 
-    from common.transport import LeaseHeld, LeaseLost, TransportError
+    from common.transport import LeaseHeld, LeaseLost, RedisUnavailable, TransportError
 
     try:
         builtin = BUILTIN_COMMANDS.get(name)
@@ -232,6 +232,9 @@ def run_command(name: str, argv: list[str], commands: dict[str, object]) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    except RedisUnavailable as e:  # a ConnectionError, so before the clause below: it says what Redis is in
+        print(f"grpo {name}: {e}; exiting", file=sys.stderr)
+        return EXIT_REDIS_LOST
     except (redis.ConnectionError, redis.TimeoutError) as e:
         # Only raised once the transport's bounded reconnects (logged "attempt i/n") are used up.
         print(

@@ -1,8 +1,9 @@
 """Prometheus metrics of every role, in one file, and the small HTTP server that exposes them.
 
 Each process owns a private :class:`CollectorRegistry` (no module-global default registry, so two roles in one test
-process never collide) and serves ``/metrics`` (Prometheus text format) and ``/healthz`` (JSON; 200 when healthy,
-503 otherwise) on ``metrics.host:metrics.port``. Names start with ``grpo_`` and carry their unit.
+process never collide) and serves ``/metrics`` (Prometheus text format), ``/healthz`` and ``/readyz`` (JSON; 200
+while the role's loop moves, and for ``/readyz`` is past its start, 503 otherwise: :mod:`common.liveness`) on
+``metrics.host:metrics.port``. Names start with ``grpo_`` and carry their unit.
 
 A role's registry comes from :func:`process_registry`: besides the role's own metrics it holds the process's memory,
 CPU and start time (``process_*``, ``python_info``) and ``grpo_build_info{version,run}``, the series dashboards and
@@ -14,6 +15,7 @@ the ``Literal`` types below, which the code that produces them is typed with (my
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -59,6 +61,7 @@ GraderErrorKind = Literal[
     "service_unreachable",
     "service_http",
     "service_invalid",
+    "service_budget",  # not sent: the round's grader.round_budget_s was spent before its batch's turn
 ]
 # How an episode ended (grader.episodes.END_REASONS, the label values of grpo_actor_episodes_total).
 EpisodeEnd = Literal[
@@ -306,11 +309,13 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             body, ctype, code = generate_latest(self.server.registry), CONTENT_TYPE_LATEST, 200
-        elif path == "/healthz":
+        elif path in ("/healthz", "/readyz"):
             ok, info = self.server.health()
-            body, ctype, code = json.dumps({"ok": ok, **info}).encode(), "application/json", 200 if ok else 503
+            # /healthz: alive (the liveness probe); /readyz: alive and past the start (the readiness probe).
+            up = ok and (path == "/healthz" or info.get("ready", True))
+            body, ctype, code = json.dumps({"ok": ok, **info}).encode(), "application/json", 200 if up else 503
         else:
-            body, ctype, code = b"not found: try /metrics or /healthz\n", "text/plain", 404
+            body, ctype, code = b"not found: try /metrics, /healthz or /readyz\n", "text/plain", 404
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -331,7 +336,9 @@ class _Server(ThreadingHTTPServer):
 
 
 class MetricsServer:
-    """``/metrics`` and ``/healthz`` on a background thread. Port 0 binds any free port; :attr:`url` says which."""
+    """``/metrics``, ``/healthz`` and ``/readyz`` on a background thread. Port 0 binds any free port; :attr:`url`
+    says which. ``health`` returns ``(ok, info)``: ``/healthz`` answers 200 while ok, ``/readyz`` while ok and
+    ``info["ready"]`` (a role's :class:`common.liveness.Liveness` report), both 503 otherwise, with ``info``."""
 
     def __init__(
         self,
@@ -340,7 +347,17 @@ class MetricsServer:
         port: int,
         health: Callable[[], tuple[bool, dict]] = lambda: (True, {}),
     ):
-        self._server = _Server((host, port), registry, health)
+        try:
+            self._server = _Server((host, port), registry, health)
+        except OSError as e:  # another process's port (a second learner waiting on this machine): the user's choice
+            if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+                raise
+            from common.config import ConfigError  # here: a grader's worker imports this module, never the config
+
+            raise ConfigError(
+                f"config error: metrics.port: cannot listen on {host}:{port} ({e.strerror}); give each process on "
+                "this machine a port of its own, or 0 for any free one"
+            ) from e
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()
 

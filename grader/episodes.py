@@ -11,7 +11,9 @@ DAPO's zero-std filter, the wire and the learner treat an episode as they treat 
   what the learner scores is exactly what was sampled;
 - ``Sample.mask`` is 1 on the model's tokens and 0 on the environment's, whose log-probs are NaN (there are none);
   ``Sample.versions`` joins the turns' version runs (an environment token takes the version of the token before
-  it); ``Sample.answer_from`` is where the last model turn starts (what the grader scores);
+  it; a turn that reports none is its reply's version throughout), always: the group leaves them out where every
+  episode is one run of the group's version (actor.message);
+  ``Sample.answer_from`` is where the last model turn starts (what the grader scores);
 - ``Sample.ended`` says why the episode ended, one of END_REASONS; a ``tool_<kind>`` failure scores it 0.
 
 An episode whose context would leave less than a turn's room in the model's positions ends there (``length``).
@@ -62,7 +64,6 @@ class _Episode:
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     runs: list[tuple[int, int]] = field(default_factory=list)
-    versioned: bool = False  # some turn's sample said which versions produced it (in-flight updates)
     finish: str = "length"
     answer_from: int = 0
     turns: int = 0
@@ -75,7 +76,6 @@ class _Episode:
         self.logprobs += s.logprobs
         self.mask += [1] * len(s.token_ids)
         self.runs += s.versions or [(version, len(s.token_ids))]
-        self.versioned |= bool(s.versions)
         self.finish = s.finish_reason
         self.turns += 1
 
@@ -88,11 +88,15 @@ class _Episode:
 
     def sample(self) -> Sample:
         written_by_env = 0 in self.mask
+        runs = merged_runs(self.runs)
         return Sample(
             self.tokens,
             self.logprobs,
             self.finish,
-            merged_runs(self.runs) if self.versioned else (),
+            # Always the runs: the turns' own where they reported them, else each turn's version (a whole request
+            # of one version each, as SGLang serving a LoRA adapter updates in flight). Whether the group can go
+            # without them is the group's to say (actor.message): one of its episodes may be older than another.
+            runs,
             tuple(self.mask) if written_by_env else (),
             self.answer_from,
             self.ended,

@@ -193,7 +193,7 @@ def open_grader(cfg: GraderConfig) -> GraderPool:
 
         return ServiceGrader(
             cfg.url, timeout_s=cfg.timeout_s, batch_size=cfg.batch_size, retries=cfg.retries,
-            retry_backoff_s=cfg.retry_backoff_s,
+            retry_backoff_s=cfg.retry_backoff_s, round_budget_s=cfg.round_budget_s,
         )  # fmt: skip
     try:
         return GraderPool(cfg.spec(), cfg.timeout_s, cfg.isolation, cfg.memory_mb)

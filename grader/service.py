@@ -17,14 +17,25 @@ keys are ignored)::
 
 What a failure costs
 --------------------
-Each attempt has ``grader.timeout_s`` to connect, send and read the whole answer. A time-out, a refused or lost
-connection, HTTP 5xx and 429 are tried again, up to ``grader.retries`` more times, after ``grader.retry_backoff_s``
-doubling each time; another 4xx (the request itself is wrong) and an answer that breaks the contract are not.
-When a batch still has no scores, every answer in it scores 0 and is counted by kind (the label of
-``grpo_actor_grader_errors_total``): ``service_timeout``, ``service_unreachable``, ``service_http`` (a status
-other than 2xx), ``service_invalid`` (not JSON, no ``scores`` list, a list of the wrong length, not HTTP at all).
-One score that is not a number in [0, 1] scores 0 alone and counts as ``invalid``, as a grader's would. The other
-batches are sent regardless: a failing scorer costs rewards, never the actor.
+Each attempt has ``grader.timeout_s`` in all, from looking the host's name up to the answer's last byte, whatever
+the server does (one that sends its status line, headers or body a byte at a time is cut at the deadline as one
+that never answers is: :mod:`grader.timed_http`). A time-out, a refused or lost connection, HTTP 5xx and 429 are
+tried again, up to ``grader.retries`` more times, after ``grader.retry_backoff_s`` doubling each time; another 4xx
+(the request itself is wrong) and an answer that breaks the contract are not. When a batch still has no scores,
+every answer in it scores 0 and is counted by kind (the label of ``grpo_actor_grader_errors_total``):
+``service_timeout``, ``service_unreachable``, ``service_http`` (a status other than 2xx), ``service_invalid`` (not
+JSON, no ``scores`` list, a list of the wrong length, not HTTP at all). One score that is not a number in [0, 1]
+scores 0 alone and counts as ``invalid``, as a grader's would. The other batches are sent regardless: a failing
+scorer costs rewards, never the actor.
+
+A round (one ``grade`` call: an actor's round, an evaluation batch) has ``grader.round_budget_s`` for all its
+batches, retries and backoffs included. 0 (the default) gives it every batch's first attempt and one batch's
+retries, ``(batches + retries) × timeout_s`` plus the backoffs of ``retries`` retries: a scorer that answers each
+batch within its time-out never reaches it, and a round of one batch has all its attempts. The attempt in flight at
+the round's deadline is cut there (``service_timeout``), a retry whose backoff would end past it is not made (the
+batch keeps its failure's kind), and the batches not yet sent score 0, counted as ``service_budget``. So a round
+never takes longer than its budget (give or take a few milliseconds), whatever the scorer and the name service do:
+that is the most an actor waits for its scores per round.
 
 Batches go one at a time over a fresh connection each, with the standard library alone (no proxy is used). With
 ``require_stop`` an answer cut off at the length limit scores 0 whatever the scorer would say, so it is not sent.
@@ -44,10 +55,9 @@ from urllib.parse import urlsplit
 from common.metrics import GraderErrorKind
 from grader.pool import GradeResult, GraderPool, require_stopped, sample_texts
 from grader.protocol import check_score
+from grader.timed_http import Resolver, post
 
 log = logging.getLogger(__name__)
-
-MAX_ANSWER_BYTES = 16 << 20  # a batch's scores take bytes; a larger answer is not one (service_invalid)
 
 Scored = tuple[float, GraderErrorKind | None]  # an answer's reward, and why it is 0 when grading failed
 
@@ -105,50 +115,12 @@ def exception_failure(e: Exception, timeout_s: float) -> ServiceFailure:
     """The failure an attempt that raised counts as. TimeoutError is an OSError and IncompleteRead an HTTPException,
     hence the order."""
     if isinstance(e, TimeoutError):
-        return ServiceFailure("service_timeout", f"no whole answer within {timeout_s:g}s", retry=True)
+        return ServiceFailure("service_timeout", f"no whole answer within {timeout_s:.3g}s", retry=True)
     if isinstance(e, (OSError, http.client.IncompleteRead)):  # refused, reset, lost mid-answer, no route, DNS, TLS
         return ServiceFailure("service_unreachable", f"{type(e).__name__}: {e}", retry=True)
     if isinstance(e, http.client.HTTPException):  # something answered, but not in HTTP
         return ServiceFailure("service_invalid", f"not an HTTP answer ({type(e).__name__}: {e})", retry=False)
     raise e
-
-
-def post(url: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
-    """One ``POST`` of JSON; ``(status, answer)`` within ``timeout_s`` in all, or TimeoutError, OSError or
-    http.client.HTTPException. Every blocking read waits at most what is left of the time, so a server that accepts
-    and never answers, or answers a byte at a time, is given up on at the limit."""
-    parts = urlsplit(url)
-    deadline = time.monotonic() + timeout_s
-    https = parts.scheme.lower() == "https"
-    conn = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(
-        parts.hostname or "", parts.port, timeout=timeout_s
-    )
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    headers = {"Content-Type": "application/json", "Accept": "application/json", "Connection": "close"}
-    try:
-        conn.request("POST", path, body, headers)
-        _time_left(conn, deadline)
-        response = conn.getresponse()
-        answer = bytearray()
-        while True:
-            _time_left(conn, deadline)
-            chunk = response.read1(1 << 16)  # one read from the socket, which may wait only what is left
-            if not chunk:
-                return response.status, bytes(answer)
-            answer += chunk
-            if len(answer) > MAX_ANSWER_BYTES:
-                raise http.client.HTTPException(f"an answer of more than {MAX_ANSWER_BYTES} bytes")
-    finally:
-        conn.close()
-
-
-def _time_left(conn: http.client.HTTPConnection, deadline: float) -> None:
-    """The socket's time-out cut to what is left of the attempt's, or TimeoutError when nothing is."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError
-    if conn.sock is not None:
-        conn.sock.settimeout(left)
 
 
 class ServiceGrader(GraderPool):
@@ -164,6 +136,7 @@ class ServiceGrader(GraderPool):
         batch_size: int = 16,
         retries: int = 2,
         retry_backoff_s: float = 0.5,
+        round_budget_s: float = 0.0,
         sleep: Callable[[float], None] = time.sleep,
     ):
         # GraderPool.__init__ is not called: there is no grader function to build and no worker to start.
@@ -173,7 +146,9 @@ class ServiceGrader(GraderPool):
         self.batch_size = batch_size
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
+        self.round_budget_s = round_budget_s
         self._sleep = sleep
+        self._resolver = Resolver()
         parts = urlsplit(url)
         # For logs: no credentials or query (an API key may travel in either).
         self.where = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path}"
@@ -184,35 +159,57 @@ class ServiceGrader(GraderPool):
         if len(asked) != len(pairs):
             raise ValueError(f"{len(asked)} prompts for {len(pairs)} answers")
         result = GradeResult([0.0] * len(pairs))
-        for start in range(0, len(pairs), self.batch_size):
+        starts = range(0, len(pairs), self.batch_size)
+        budget_s = self.round_budget(len(starts))
+        deadline = time.monotonic() + budget_s
+        for start in starts:
+            if time.monotonic() >= deadline:
+                log.warning("grader service %s: the round's budget of %.3gs is spent; %d answers not sent score 0 "
+                            "(service_budget)", self.where, budget_s, len(pairs) - start)  # fmt: skip
+                for i in range(start, len(pairs)):
+                    result.put(i, 0.0, "service_budget")
+                break
             batch = pairs[start : start + self.batch_size]
             body = request_body(asked[start : start + len(batch)], [c for c, _ in batch], [r for _, r in batch])
-            for i, (score, kind) in enumerate(self._score_batch(body, len(batch)), start):
+            for i, (score, kind) in enumerate(self._score_batch(body, len(batch), deadline), start):
                 result.put(i, score, kind)
         return result
 
-    def _score_batch(self, body: bytes, n: int) -> list[Scored]:
-        """One batch's rewards, tried up to ``1 + retries`` times; all ``(0.0, kind)`` when no attempt got them."""
+    def round_budget(self, batches: int) -> float:
+        """The seconds a round of ``batches`` may take: ``round_budget_s``, or by default each batch's first attempt
+        and one batch's retries with their backoffs (one batch alone has all its attempts, as without a budget)."""
+        if self.round_budget_s > 0:
+            return self.round_budget_s
+        return (batches + self.retries) * self.timeout_s + self.retry_backoff_s * (2**self.retries - 1)
+
+    def _score_batch(self, body: bytes, n: int, deadline: float) -> list[Scored]:
+        """One batch's rewards, tried up to ``1 + retries`` times while the round's ``deadline`` leaves time; all
+        ``(0.0, kind)`` when no attempt got them."""
         attempts = 1 + self.retries
         for attempt in range(1, attempts + 1):
             try:
-                return self._attempt(body, n)
+                return self._attempt(body, n, deadline)
             except ServiceFailure as failure:
-                if not failure.retry or attempt == attempts:
-                    log.warning("grader service %s: %s (attempt %d/%d); %d answers score 0",
-                                self.where, failure, attempt, attempts, n)  # fmt: skip
-                    return [(0.0, failure.kind)] * n
                 wait = self.retry_backoff_s * 2 ** (attempt - 1)
+                last = not failure.retry or attempt == attempts
+                spent = not last and time.monotonic() + wait >= deadline  # the retry would start past the budget
+                if last or spent:
+                    log.warning("grader service %s: %s (attempt %d/%d%s); %d answers score 0", self.where, failure,
+                                attempt, attempts, ", the round's budget spent" if spent else "", n)  # fmt: skip
+                    return [(0.0, failure.kind)] * n
                 log.info("grader service %s: %s (attempt %d/%d); again in %.2gs",
                          self.where, failure, attempt, attempts, wait)  # fmt: skip
                 self._sleep(wait)
         raise AssertionError("the last attempt returns")
 
-    def _attempt(self, body: bytes, n: int) -> list[Scored]:
+    def _attempt(self, body: bytes, n: int, round_deadline: float) -> list[Scored]:
+        """One attempt, within ``grader.timeout_s`` and what is left of the round."""
+        started = time.monotonic()
+        deadline = min(started + self.timeout_s, round_deadline)
         try:
-            status, answer = post(self.url, body, self.timeout_s)
+            status, answer = post(self.url, body, deadline, self._resolver)
         except Exception as e:
-            raise exception_failure(e, self.timeout_s) from None
+            raise exception_failure(e, deadline - started) from None
         if failure := status_failure(status, answer):
             raise failure
         return parse_scores(answer, n)

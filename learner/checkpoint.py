@@ -72,6 +72,7 @@ class Resumable:
     run_id: str = ""  # the run's identity in Redis (a Redis that no longer holds it lost the run's state)
     epochs: list[list[int]] = field(default_factory=list)  # the lineage: [epoch, step, first version] (learner.lineage)
     lease_token: int = 0  # the fencing token of the learner that wrote it (learner.fencing); 0: an earlier build's
+    covers_positions: list[int] = field(default_factory=list)  # their prompt positions (-1: none; all: older builds)
 
 
 def _optimizer_parts(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -191,6 +192,7 @@ def _write_files(
         "counters": resumable.counters,
         "covers": resumable.covers,
         "covers_groups": resumable.covers_groups,
+        "covers_positions": resumable.covers_positions,
         "run_id": resumable.run_id,
         "epochs": resumable.epochs,
         "lease_token": resumable.lease_token,
@@ -319,8 +321,15 @@ def load(
     return Resumable(
         state["step"], state["version"], state["counters"], state["covers"], state["covers_groups"],
         state.get("run_id", ""), state.get("epochs", []),  # absent in an earlier build's checkpoint
-        int(state.get("lease_token", 0)),
+        int(state.get("lease_token", 0)), _positions(state.get("covers_positions"), len(state["covers"])),
     )  # fmt: skip
+
+
+def _positions(saved: Any, n: int) -> list[int]:
+    """The covered groups' prompt positions; -1 each where an earlier build's checkpoint kept none."""
+    if not isinstance(saved, list) or len(saved) != n or not all(type(p) is int for p in saved):
+        return [-1] * n
+    return saved
 
 
 def _same_kind(path: Path, state: dict[str, Any], base: dict[str, str] | None) -> None:

@@ -64,7 +64,7 @@ class RunClaim:
                     self.transport.keys.identity)  # fmt: skip
         self.transport.record_reset(p.run_id, p.step, p.groups_consumed)
         self.transport.ensure_consumer_group()
-        p.window_ids, p.window_groups = [], []  # their entries are gone: nothing is left to acknowledge
+        p.window_ids, p.window_groups, p.window_positions = [], [], []  # their entries are gone: nothing to acknowledge
         self.publisher.announce_again()
 
     def stream_gone(self, e: redis.ResponseError, p: Progress) -> bool:

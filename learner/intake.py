@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,6 +49,7 @@ class Intake:
         identity: RunClaim,
         ranks: Ranks | None,
         stop: threading.Event,
+        waiting: Callable[[], object] = lambda: None,
     ):
         self.cfg = cfg
         self.transport = transport
@@ -56,6 +58,7 @@ class Intake:
         self.identity = identity
         self.ranks = ranks
         self.stop = stop
+        self.waiting = waiting  # called at each read while a batch fills: the learner's liveness beat
         self.consumer = f"learner-{socket.gethostname()}-{os.getpid()}"
         self._filtered_before: FilteredStats | None = None  # the filtered hash's totals at the previous batch
 
@@ -88,6 +91,7 @@ class Intake:
         while len(batch.groups) < want:
             if self.stop.is_set():
                 return None
+            self.waiting()
             got = self._read(backlog, want - len(batch.groups), p)
             if got is not None:
                 self._take(got, batch, held, p)

@@ -11,6 +11,7 @@ order, checkpoints and resumes, and starts the process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -23,6 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from common.config import Config, ConfigError, write_resolved
+from common.liveness import Liveness
 from common.metrics import LearnerMetrics, MetricsServer, process_registry, register_endpoint
 from common.model.generation import pad_token_id, stop_token_ids
 from common.model.importing import prepare_model_path
@@ -39,7 +41,7 @@ from learner.intake import Collected, Intake
 from learner.lease import RunLease
 from learner.progress import Progress
 from learner.publishing import Publisher, newest_published
-from learner.record import Record
+from learner.record import Record, take_over_rows
 from learner.trackers import check_trackers
 from learner.trainer import Trainer, disable_dropout
 
@@ -58,8 +60,10 @@ class Learner:
         reference: Any = None,
         ranks: Ranks | None = None,
         stop: threading.Event | None = None,
+        liveness: Liveness | None = None,
     ):
         self.cfg = cfg
+        self.liveness = liveness or Liveness(cfg.metrics.stall_after_s)  # the loop's beats, for /healthz
         # Under torchrun every rank runs this loop; rank 0 alone uses Redis and writes files, the others follow it
         # through broadcasts (learner.distributed) and have no transport.
         self.ranks = ranks
@@ -80,7 +84,8 @@ class Learner:
         # Where the learner stands is the loop's: each part is handed it by the call that reads or moves it.
         self.publisher = Publisher(cfg, self.transport, model, tokenizer, metrics, ranks)
         self.identity = RunClaim(cfg, self.transport, self.publisher)
-        self.intake = Intake(cfg, self.transport, model, metrics, self.identity, ranks, self.stop)
+        waiting = functools.partial(self.liveness.beat, "waiting for groups")  # at each read: slow actors are no stall
+        self.intake = Intake(cfg, self.transport, model, metrics, self.identity, ranks, self.stop, waiting)
         self.record = Record(cfg, self.transport, metrics, self.is_rank0)
 
     # -- the loop -----------------------------------------------------------------------------------------------
@@ -94,6 +99,7 @@ class Learner:
                      self.cfg.run.name, steps, self.progress.step)  # fmt: skip
         last = time.perf_counter()
         while self.progress.step < steps:
+            self.liveness.beat("waiting for groups", step=self.progress.step, version=self.progress.version)
             batch = self.intake.collect(self.progress)
             if batch is None:
                 self.checkpoint()
@@ -109,6 +115,7 @@ class Learner:
     def start(self) -> None:
         """Join the stream, take up the run (its identity, and what an earlier learner left pending), publish the
         version the learner starts (or resumes) from, and record step 0 when the run is fresh."""
+        self.liveness.beat("taking up the run", starting=True)
         if self.is_rank0:
             self.transport.ensure_consumer_group()
         # The run's identity is checked before anything in Redis is touched (resume acknowledges what its checkpoint
@@ -129,12 +136,14 @@ class Learner:
         if not resumed:
             if self.is_rank0:
                 self.record.truncate(-1)  # rows of an earlier attempt that never checkpointed: trained again
+            self.liveness.beat("evaluating")
             self.record.write({"step": 0, "policy_version": self.progress.version, **self.evaluator.evaluate()})
 
     def train_step(self, batch: Collected, last: float) -> float:
         """Train on ``batch``, then publish, evaluate, record and checkpoint as configured; returns when it ended
         (``last``: when the previous step ended)."""
         p, steps = self.progress, self.cfg.run.steps
+        self.liveness.beat(f"training step {p.step + 1}")
         t_train = time.perf_counter()
         stats = self.trainer.step(batch.groups, p.version, batch.filtered)
         pad = self.cfg.learner.min_step_s - (time.perf_counter() - t_train)
@@ -148,6 +157,7 @@ class Learner:
         if p.step % self.cfg.learner.publish_every == 0 or p.step == steps:
             stats |= self.publish()
         if p.step % self.cfg.learner.eval_every == 0 or p.step == steps:
+            self.liveness.beat("evaluating", step=p.step, version=p.version)
             stats |= self.evaluator.evaluate()
         if self.is_rank0:
             stats |= self.record.stream_figures()
@@ -167,6 +177,7 @@ class Learner:
 
     def publish(self) -> dict[str, float]:
         p = self.progress
+        self.liveness.beat(f"publishing version {p.version}")
         return self.publisher.publish(p.version, p.lineage.current.epoch, last=p.step == self.cfg.run.steps)
 
     def still_holding(self) -> None:
@@ -187,6 +198,7 @@ class Learner:
         if skipped < self.cfg.learner.updates_per_batch:
             p.window_ids += batch.ids
             p.window_groups += [g.group_id for g in batch.groups]
+            p.window_positions += [-1 if g.position is None else g.position for g in batch.groups]
             p.groups_consumed += len(batch.ids)
             self.metrics.groups_consumed.inc(len(batch.ids))
             return
@@ -203,6 +215,7 @@ class Learner:
         p = self.progress
         if p.step == p.checkpointed_step and not p.window_ids:
             return {}
+        self.liveness.beat("writing a checkpoint")
         if self.is_rank0:  # the rows of the steps it covers reach the disk before it does (see train_step)
             self.record.sync()
         t0 = time.perf_counter()
@@ -213,8 +226,8 @@ class Learner:
             cc.dir, state, self.model, t.optimizer, t.scheduler, t.generator, cc.keep, self.ranks, self.publisher.base
         )
         if self.is_rank0:
-            self.transport.ack_trained(p.window_ids, p.window_groups, p.step, cc.dedup_window)
-        p.window_ids, p.window_groups = [], []
+            self.transport.ack_trained(p.window_ids, p.window_groups, p.step, cc.dedup_window, p.window_positions)
+        p.window_ids, p.window_groups, p.window_positions = [], [], []
         p.checkpointed_step = p.step
         seconds = time.perf_counter() - t0
         self.metrics.checkpoint_seconds.observe(seconds)
@@ -238,7 +251,8 @@ class Learner:
         if not self.is_rank0:
             return True
         self.identity.claim(self.progress)
-        self.transport.ack_trained(r.covers, r.covers_groups, r.step, self.cfg.checkpoint.dedup_window)
+        self.transport.ack_trained(r.covers, r.covers_groups, r.step, self.cfg.checkpoint.dedup_window,
+                                   r.covers_positions)  # fmt: skip
         self.record.truncate(r.step)
         log.info("resumed from %s: step %d, policy version %d", path, r.step, r.version)
         return True
@@ -328,12 +342,18 @@ def _lead(cfg: Config, ranks: Ranks | None) -> int:
     lease = RunLease(cfg, transport, stop := threading.Event())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    # /healthz: the loop's beats within metrics.stall_after_s (common.liveness), served while the learner waits for
+    # the run's lease too: waiting (learner.if_held wait, up to learner.held_wait_s) is alive, not hung.
+    liveness = Liveness(cfg.metrics.stall_after_s, role="learner", step=0, version=None)
+    server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, liveness.report)
     try:
+        liveness.beat("waiting for the run's lease", cfg.learner.held_wait_s + cfg.metrics.stall_after_s, starting=True)
         if not lease.take():
             log.info("stopped while waiting for run %s", cfg.run.name)
             return 0
-        return _hold(cfg, ranks, transport, metrics, registry, lease, stop)
+        return _hold(cfg, ranks, transport, metrics, lease, stop, server, liveness)
     finally:
+        server.close()
         lease.release()
         transport.close()
 
@@ -343,9 +363,10 @@ def _hold(
     ranks: Ranks | None,
     transport: LearnerTransport,
     metrics: LearnerMetrics,
-    registry: CollectorRegistry,
     lease: RunLease,
     stop: threading.Event,
+    server: MetricsServer,
+    liveness: Liveness,
 ) -> int:
     """The run is held: mark it (learner.fencing), keep the lease from a thread, and train."""
     made = not Path(cfg.run.dir).exists()  # a start refused on the user's input removes the directory it made
@@ -353,6 +374,9 @@ def _hold(
     base = checkpoint.latest(cfg.checkpoint.dir)
     marker = lease.mark(checkpoint.step_of(base), newest_published(cfg, transport))
     lease.keep()
+    if ranks is None or ranks.is_rank0:  # replaced now, not once the model is loaded (learner.record)
+        take_over_rows(Path(cfg.run.dir) / "metrics.jsonl", -1 if base is None else checkpoint.step_of(base),
+                       only_if_there=True)  # fmt: skip
     write_resolved(cfg, Path(cfg.run.dir) / "config.json")
     lc = cfg.learner
     log.info(
@@ -368,17 +392,13 @@ def _hold(
     )
 
     learner: Learner | None = None
-
-    def health() -> tuple[bool, dict]:
-        return True, {"role": "learner", "step": learner.progress.step if learner else 0}
-
     grader = open_grader(correctness(cfg.grader))  # the learner grades only its evaluation: right or wrong
-    server = MetricsServer(registry, cfg.metrics.host, cfg.metrics.port, health)
     endpoint = register_endpoint(cfg.run.dir, "learner", "learner", server.url)
     try:
+        liveness.beat("loading the model", starting=True)
         tokenizer, model, reference = _models(cfg, ranks)
         metrics.reference_loaded.set(int(reference is not None))
-        learner = Learner(cfg, transport, model, tokenizer, grader, metrics, reference, ranks, stop)
+        learner = Learner(cfg, transport, model, tokenizer, grader, metrics, reference, ranks, stop, liveness)
         log.info("learner: %d steps, metrics on %s, run dir %s", cfg.run.steps, server.listening, cfg.run.dir)
         return learner.run()
     except ConfigError:
@@ -389,7 +409,6 @@ def _hold(
         if learner is not None:
             learner.close()
         grader.close()
-        server.close()
 
 
 def _kl_line(cfg: Config) -> str:

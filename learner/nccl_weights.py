@@ -8,6 +8,11 @@ readies, the group never forms, a bucket never completes) or anything else fails
 writes the version to disk and announces that instead, and drops the group so that the next round forms a fresh
 one. The training loop never waits on any of it: a version published while a round is in flight replaces the one
 waiting for its turn (latest wins; counted as superseded).
+
+A learner that lost the run writes nothing more from this thread: a fenced write refused (:class:`LeaseLost`) ends
+the thread where it is, and the fall-back checks the lease before it writes a version's files (a file system has no
+fence). The loss is kept and raised to the training loop by its next :meth:`Broadcaster.submit`, which stops there
+with exit code 5 like any other refused write (its lease thread interrupts it within a third of the lease anyway).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from common.config import Config
 from common.metrics import BroadcastFallback, LearnerMetrics
 from common.net import free_port
 from common.schemas import NcclMember
-from common.transport import LearnerTransport
+from common.transport import LearnerTransport, LeaseLost
 from common.weights.nccl import (
     Bucket,
     Round,
@@ -139,13 +144,14 @@ class Broadcaster:
         metrics: LearnerMetrics,
         *,
         to_disk: Callable[[int, Snapshot], None],
-        announce_nccl: Callable[[int, Snapshot], None],
+        announce_nccl: Callable[[int, Snapshot, Round], None],
         announced: Callable[[], int] = lambda: -1,
         device: str = "cpu",
     ):
         """``to_disk(version, snapshot)`` writes and announces a version (the fall-back); ``announce_nccl(version,
-        snapshot)`` announces one its members received; ``announced()`` is the newest version announced (a round
-        for an older one is skipped); ``device``: the learner's, where nccl buckets are staged."""
+        snapshot, round)`` announces one the round's members received (they take it into service only then);
+        ``announced()`` is the newest version announced (a round for an older one is skipped); ``device``: the
+        learner's, where nccl buckets are staged."""
         self.cfg = cfg
         self.wc = cfg.weights
         self.transport = transport
@@ -164,6 +170,7 @@ class Broadcaster:
         self._pending: tuple[int, Snapshot] | None = None
         self._cv = threading.Condition()
         self._closing = False
+        self.lost: LeaseLost | None = None  # another learner took the run over: this thread wrote nothing since
         self._thread = threading.Thread(target=self._run, name="weights-broadcast", daemon=True)
         self._thread.start()
 
@@ -173,6 +180,9 @@ class Broadcaster:
         return self.transport.nccl_members(self.cfg.run.heartbeat_ttl_s)
 
     def submit(self, version: int, snap: Snapshot) -> None:
+        """Hand ``version`` to the thread; :class:`LeaseLost` when the thread found the run lost (it stopped)."""
+        if self.lost is not None:
+            raise self.lost
         with self._cv:
             if self._pending is not None:
                 self.metrics.broadcast_superseded.inc()
@@ -207,7 +217,18 @@ class Broadcaster:
                 assert self._pending is not None
                 version, snap = self._pending
                 self._pending = None
-            self._publish(version, snap)  # never raises: a failed round falls back to disk
+            try:
+                self._publish(version, snap)  # a failed round falls back to disk
+            except LeaseLost as e:  # never write again: the run is another learner's
+                self._lose(version, e)
+                return
+
+    def _lose(self, version: int, e: LeaseLost) -> None:
+        log.error("weights v%d: the broadcast thread stops, writing nothing more: %s", version, e)
+        self._close_group(abort=True)
+        with self._cv:
+            self.lost = e
+            self._pending = None
 
     def _publish(self, version: int, snap: Snapshot) -> None:
         if version <= self.announced():  # a newer version went to disk meanwhile: this one would be a step back
@@ -215,8 +236,10 @@ class Broadcaster:
             return
         t0 = time.perf_counter()
         try:
-            self._round(version, snap)
-        except Exception as e:  # whatever failed (a member, the network, Redis), the version must still go out
+            rnd = self._round(version, snap)
+        except LeaseLost:  # a fenced write of the round refused: nothing goes to disk either
+            raise
+        except Exception as e:  # whatever else failed (a member, the network, Redis), the version must still go out
             reason = e.reason if isinstance(e, RoundFailed) else "error"
             self._close_group(abort=reason in ("broadcast", "error"))
             if reason == "closing":  # the learner is stopping; its next start publishes to disk first
@@ -226,21 +249,31 @@ class Broadcaster:
             self.metrics.broadcast_fallbacks.labels(reason).inc()
             log.warning("weights v%d go to disk: %s", version, e)
             try:
+                self._still_holding()  # a file has no fence: a learner that lost the run writes no version's files
                 self.to_disk(version, snap)
-            except Exception:
+            except LeaseLost:
+                raise
+            except Exception:  # (Redis unreachable for the check too: the next version goes out)
                 log.exception("weights v%d: writing them to disk failed too", version)
             return
         seconds = time.perf_counter() - t0
         self.rounds_ok += 1
         self.metrics.broadcast_seconds.observe(seconds)
         try:
-            self.announce_nccl(version, snap)
-        except Exception:  # the members have it; the next version's announcement supersedes this one
+            self.announce_nccl(version, snap, rnd)  # the members take it into service once they read this
+        except LeaseLost:
+            raise
+        except Exception:  # the members drop what they received; the next version's announcement brings them on
             log.exception("weights v%d: announcing it failed", version)
         log.debug("weights v%d broadcast to %d members in %.3fs", version, len(self.group.ranks) if self.group else 0,
                   seconds)  # fmt: skip
 
-    def _round(self, version: int, snap: Snapshot) -> None:
+    def _still_holding(self) -> None:
+        """One round trip: :class:`LeaseLost` if another learner took the run over (a learner with a lease only)."""
+        if self.transport.lease_token():
+            self.transport.renew_lease()
+
+    def _round(self, version: int, snap: Snapshot) -> Round:
         members = self.members()
         if not members:
             raise RoundFailed("no_members", "no actor takes weights over NCCL")
@@ -295,6 +328,7 @@ class Broadcaster:
             send_buckets(group.pg, snap, timeout, self.wc.nccl_backend, self.device)
         except Exception as e:
             raise RoundFailed("broadcast", f"broadcast to {group.name} failed: {e}") from None
+        return rnd
 
     def _close_group(self, abort: bool = False) -> None:
         if self.group is not None and self.group.pg is not None:

@@ -25,6 +25,7 @@ class Progress:
     # Trained since the last checkpoint, not yet acknowledged: the checkpoint that covers them acks them.
     window_ids: list[str] = field(default_factory=list)
     window_groups: list[str] = field(default_factory=list)
+    window_positions: list[int] = field(default_factory=list)  # their prompt positions (-1: a group without one)
     checkpointed_step: int = -1
 
     def counters(self) -> dict[str, Any]:
@@ -41,7 +42,7 @@ class Progress:
     def resumable(self) -> Resumable:
         """What a checkpoint keeps besides the model and the optimizer."""
         return Resumable(self.step, self.version, self.counters(), self.window_ids, self.window_groups,
-                         self.run_id, self.lineage.to_json())  # fmt: skip
+                         self.run_id, self.lineage.to_json(), covers_positions=self.window_positions)  # fmt: skip
 
     def restore(self, r: Resumable) -> None:
         self.step, self.version, self.checkpointed_step = r.step, r.version, r.step

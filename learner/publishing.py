@@ -23,6 +23,7 @@ from common.schemas import SchemaError, WeightsAnnouncement
 from common.storage import writing
 from common.transport import LearnerTransport
 from common.weights import newest_on_disk, publish, tensors_digest
+from common.weights.nccl import Round, announcement_uri
 from learner.distributed import Ranks
 from learner.fencing import superseded_versions
 from learner.nccl_weights import Broadcaster, Snapshot, snapshot
@@ -167,17 +168,16 @@ class Publisher:
     def _fall_back(self, version: int, snap: Snapshot) -> None:
         self._write(version, snap.tensors())
 
-    def _announce_nccl(self, version: int, snap: Snapshot) -> None:
-        """Announce a version its members received over NCCL (``format: nccl``): actors that hold it skip it; the
-        digest (of the bytes sent) names its contents."""
+    def _announce_nccl(self, version: int, snap: Snapshot, rnd: Round) -> None:
+        """Announce a version the members of round ``rnd`` received over NCCL (``format: nccl``, the ``uri`` naming
+        the round): they take it into service when they read this, a write behind the lease's fence, so a learner
+        that lost the run after its broadcast never has its bytes served. The digest (of the bytes sent) names the
+        contents."""
         checked, nbytes = tensors_digest(snap.flats, self.cfg.weights.digest)
-        b = self.broadcaster
-        group = b.group.name if b is not None and b.group is not None else ""
-        uri = f"nccl://{b.address if b is not None else ''}/{group}"
         with self._publish_lock:
             if version <= self._announced:
                 return
-            self._announce(WeightsAnnouncement(version, uri, checked, format="nccl"))
+            self._announce(WeightsAnnouncement(version, announcement_uri(rnd), checked, format="nccl"))
             self._announced = version
         self.metrics.publish_bytes.set(nbytes)
 

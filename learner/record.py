@@ -1,8 +1,15 @@
 """The learner's record of each step: the metrics.jsonl row, its Prometheus gauges, the trackers, and the alarms.
 
-Rank 0 alone writes it. metrics.jsonl is strict JSON, one row per step (DESIGN §4 keys first); a row reaches the
-file before the checkpoint that covers its step, and rows past a checkpoint are dropped when a learner resumes from it
-(their steps are trained again).
+Rank 0 alone writes it. metrics.jsonl is strict JSON, one row per step (DESIGN §4 keys first, then the others, and
+``lease_token``, the fencing token of the learner that wrote it); a row reaches the file before the checkpoint that
+covers its step, and rows past a checkpoint are dropped when a learner resumes from it (their steps are trained
+again).
+
+A file has no fence, so a learner that lost the run (frozen past its lease between its last check and a row) must not
+be able to append to its successor's file: each holder, as soon as it holds the run, replaces metrics.jsonl (the rows
+it keeps, synced, renamed over it: a new file) and appends only through the descriptor it opened then. A predecessor
+that wakes up appends to the file it opened, which no reader finds any more; it sees that the file at the path is no
+longer its own, checks the lease, and stops (:class:`LeaseLost`) before its row reaches a tracker.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from common.config import Config
 from common.metrics import LearnerMetrics
@@ -45,6 +52,7 @@ class Record:
         self.started = time.perf_counter()
         self.accuracy: float | None = None  # the newest held-out accuracy, for the progress line
         self._recent: list[dict[str, Any]] = []  # the last rows, for the progress line's ETA
+        self._file: IO[str] | None = None  # metrics.jsonl as this learner opened it (see truncate)
 
     def open_trackers(self, run_id: str, first_row: int) -> None:
         """After the run's identity (``run_id`` names the W&B run); ``first_row``: the step of the next row."""
@@ -79,11 +87,19 @@ class Record:
         return {"stream/unread": b.unread, "stream/pending": b.pending}
 
     def write(self, row: dict[str, Any]) -> None:
-        """Append the row to metrics.jsonl, then the trackers, then the Prometheus gauges (rank 0)."""
+        """Append the row, with this learner's ``lease_token``, to metrics.jsonl, then the trackers, then the
+        Prometheus gauges (rank 0). :class:`LeaseLost` when another learner took the run over (it replaced the
+        file): the row reached no file anyone reads, and no tracker."""
         if not self.is_rank0:
             return
-        with writing(self.path), self.path.open("a") as f:
-            f.write(_json_row(row) + "\n")
+        row = {**row, "lease_token": self.transport.lease_token()}
+        line = _json_row(row) + "\n"
+        with writing(self.path):
+            f = self._file or self._open()
+            f.write(line)
+            f.flush()
+            if not self._ours():
+                self._replaced(line)
         if "eval/accuracy" in row:
             self.accuracy = row["eval/accuracy"]
         self.trackers.log(row)  # after metrics.jsonl, the record; a tracker's failure never reaches training
@@ -126,36 +142,62 @@ class Record:
             self.metrics.alarm.labels(kind).set(int(on))
 
     def truncate(self, step: int) -> None:
-        """Rows of steps after the checkpoint are about to be trained again: drop them rather than repeat them. A
-        last row cut short (the disk filled up, or the learner died, while it was written) is dropped with a
-        warning: its step is trained again like the others past the checkpoint."""
-        if not self.path.exists():
-            return
-        with writing(self.path):
-            text = self.path.read_text()
-            rows = [json.loads(line) for line in metrics_rows(text, self.path)]
-            kept = [row for row in rows if row.get("step", 0) <= step]
-            lines = sum(1 for line in text.splitlines() if line.strip())
-            if len(kept) < lines or (text and not text.endswith("\n")):  # rows past the checkpoint, or a torn one
-                self._rewrite(kept)
+        """Take metrics.jsonl over as this learner starts (``step``: the checkpoint it resumes from, -1: none). Rows
+        of steps after it are about to be trained again: dropped rather than repeated. A last row cut short (the disk
+        filled up, or the learner died, while it was written) is dropped with a warning: its step is trained again
+        like the others past the checkpoint. The file is replaced whatever it holds (a new file at the path), and
+        this learner appends to it alone: an earlier holder that wakes up appends to the file it had opened."""
+        take_over_rows(self.path, step)
+        self._close_file()
+        self._open()
 
-    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
-        """Replace metrics.jsonl with ``rows`` atomically (a crash leaves the old file or the new one)."""
-        tmp = self.path.with_name(".metrics.jsonl.tmp")
-        with tmp.open("w") as f:
-            f.write("".join(_json_row(row) + "\n" for row in rows))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        fsync_dir(self.path.parent)
+    def _open(self) -> IO[str]:
+        self._file = self.path.open("a")
+        return self._file
+
+    def _ours(self) -> bool:
+        """Whether the file at the path is still the one this learner appends to."""
+        assert self._file is not None
+        try:
+            at_path = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(self._file.fileno())
+        return (mine.st_dev, mine.st_ino) == (at_path.st_dev, at_path.st_ino)
+
+    def _replaced(self, line: str) -> None:
+        """The file at the path is not the one this learner opened: another learner took the run over (it replaced
+        the file as it started; the lease check raises :class:`LeaseLost`), or, while this one still holds the run,
+        something else replaced or removed it: the row goes to the file now at the path, opened anew."""
+        if self.transport.lease_token():
+            self.transport.renew_lease()
+        log.warning("%s was replaced or removed by something other than a learner: appending to the file now there",
+                    self.path)  # fmt: skip
+        self._close_file()
+        f = self._open()
+        f.write(line)
+        f.flush()
 
     def sync(self) -> None:
         """The rows written so far reach the disk (before a checkpoint that covers their steps)."""
-        if self.path.exists():
+        if self._file is not None:
+            with writing(self.path):
+                self._file.flush()
+                os.fsync(self._file.fileno())
+        elif self.path.exists():
             with writing(self.path):
                 fsync_file(self.path)
 
+    def _close_file(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError as e:  # a full disk refusing the last flush: the rows are re-read from the file anyway
+                log.debug("closing %s: %s", self.path, e)
+            self._file = None
+
     def close(self) -> None:
+        self._close_file()
         self.trackers.close()
 
 
@@ -164,6 +206,31 @@ def _json_row(row: dict[str, Any]) -> str:
     of a step whose every update was skipped, is written as null."""
     clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
     return json.dumps(clean, allow_nan=False)
+
+
+def take_over_rows(path: Path, step: int, *, only_if_there: bool = False) -> None:
+    """Replace metrics.jsonl (``path``) with its rows of steps up to ``step`` (see :meth:`Record.truncate`). A
+    learner does it twice: as soon as it holds the run (learner.loop._hold, ``only_if_there``: before it loads the
+    model, so that a predecessor waking up meanwhile finds the file replaced and stops before its row reaches a
+    tracker), and as it resumes (the checkpoint it resumed from may be older than the newest it saw first)."""
+    with writing(path):
+        if only_if_there and not path.exists():
+            return
+        text = path.read_text() if path.exists() else ""
+        rows = [json.loads(line) for line in metrics_rows(text, path)]
+        _rewrite(path, [row for row in rows if row.get("step", 0) <= step])
+
+
+def _rewrite(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace metrics.jsonl with ``rows`` atomically (a crash leaves the old file or the new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".metrics.jsonl.tmp-{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write("".join(_json_row(row) + "\n" for row in rows))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def metrics_rows(text: str, path: Path) -> list[str]:

@@ -18,12 +18,14 @@ and ignores a step logged again.
 Trackers never stop training: a missing package is a configuration mistake found before anything starts
 (:func:`check_trackers`), and a tracker that fails to start or fails later (a full disk, a lost connection) is
 reported by one warning and gets no more rows, while metrics.jsonl goes on. Only rank 0 of a distributed learner
-opens trackers (it alone writes the run's files).
+opens trackers (it alone writes the run's files). The one exception that does stop training passes through every
+tracker call: :class:`LeaseLost`, which the learner's lease thread raises in the training loop wherever it is, a
+tracker's call included, when another learner took the run over (it must stop at once, exit code 5). A row reaches
+the trackers only after metrics.jsonl took it as the run's (learner.record): a learner that lost the run sends none.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import math
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from common.config import Config, ConfigError
+from common.transport import LeaseLost
 
 log = logging.getLogger("learner")
 
@@ -163,6 +166,8 @@ class Trackers:
         for tracker in list(self._live):
             try:
                 tracker.log(values, step)
+            except LeaseLost:  # raised in this thread by the lease's, wherever it was: the learner stops
+                raise
             except Exception as e:  # see the class: whatever the tracker's library raises, training goes on
                 self._drop(tracker, f"failed at step {step}", e)
 
@@ -170,6 +175,8 @@ class Trackers:
         for tracker in self._live:
             try:
                 tracker.close()
+            except LeaseLost:
+                raise
             except Exception as e:  # its last rows may be lost; metrics.jsonl has them
                 log.warning("tracker %s: closing it failed (%s: %s); metrics.jsonl has every row",
                             tracker.name, type(e).__name__, e)  # fmt: skip
@@ -179,8 +186,12 @@ class Trackers:
         log.warning("tracker %s %s (%s: %s): it gets no more rows; training goes on and metrics.jsonl has every row",
                     tracker.name, what, type(e).__name__, e)  # fmt: skip
         self._live.remove(tracker)
-        with contextlib.suppress(Exception):  # it already failed once and was reported
+        try:
             tracker.close()
+        except LeaseLost:
+            raise
+        except Exception:  # it already failed once and was reported
+            pass
 
 
 def open_trackers(cfg: Config, run_id: str, first_step: int) -> Trackers:
@@ -193,6 +204,8 @@ def open_trackers(cfg: Config, run_id: str, first_step: int) -> Trackers:
                 opened.append(TensorBoard(Path(cfg.run.dir) / "tensorboard", first_step))
             else:
                 opened.append(WandB(cfg, run_id))
+        except LeaseLost:
+            raise
         except Exception as e:  # as in Trackers.log: no tracker stops training
             log.warning("tracker %s could not start (%s: %s): training goes on without it; metrics.jsonl has every "
                         "row", name, type(e).__name__, e)  # fmt: skip

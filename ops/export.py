@@ -4,10 +4,13 @@
 template included), for people who never run this project.
 
 RUN_OR_VERSION is a run directory (its newest version under ``weights.dir``, or ``--version N``) or a version
-directory (``.../weights/v000012``). A version of whole weights is copied; a LoRA version (learner.lora) is merged
-into its base (``W + B A · alpha / r``, in float32, then written in ``--dtype``). Either is checked against its
-digest first, and a LoRA version against its base's (``base.json``): an adapter merged into another model would be
-a model nobody trained. OUT is written under a temporary name and renamed into place, so it is whole or absent.
+directory (``.../weights/v000012``, exported as it is). Of a run, a version that a learner wrote after another one
+took the run over (a learner frozen past its lease, fenced out: learner.fencing) is never chosen: it was never
+announced, and no policy of the run descends from it. A version of whole weights is copied; a LoRA version
+(learner.lora) is merged into its base (``W + B A · alpha / r``, in float32, then written in ``--dtype``). Either is
+checked against its digest first, and a LoRA version against its base's (``base.json``): an adapter merged into
+another model would be a model nobody trained. OUT is written under a temporary name and renamed into place, so it
+is whole or absent.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def main(argv: Sequence[str]) -> int:
 
 def locate(source: Path, version: int | None) -> Path:
     """The version directory that ``source`` names (see the module's docstring)."""
-    from common.weights import newest_on_disk, version_dir
+    from common.weights import newest_on_disk, version_dir, version_token
+    from learner.fencing import superseded_versions
 
     if (source / "digest").is_file():
         if version is not None:
@@ -66,15 +70,26 @@ def locate(source: Path, version: int | None) -> Path:
     if not resolved.is_file():
         raise ExportError(f"{source}: neither a run directory (no config.json) nor a published version (no digest)")
     try:
-        weights = Path(json.loads(resolved.read_text())["weights"]["dir"])
-    except (ValueError, KeyError, TypeError) as e:
+        tree = json.loads(resolved.read_text())
+        weights = _under(source, Path(tree["weights"]["dir"]))
+        checkpoints = _under(source, Path(tree.get("checkpoint", {}).get("dir") or "checkpoints"))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ExportError(f"{resolved}: not a run's resolved config ({e})") from None
-    if not weights.is_absolute():
-        weights = source / weights if (source / weights).is_dir() else weights
-    chosen = version if version is not None else newest_on_disk(weights)
+    superseded = superseded_versions(checkpoints)  # the holders' markers (learner.fencing)
+    chosen = version if version is not None else newest_on_disk(weights, superseded)
     if chosen < 0 or not version_dir(weights, chosen).is_dir():
         raise ExportError(f"{weights}: no version {chosen if version is not None else ''} on disk".replace("  ", " "))
+    if superseded(version_token(version_dir(weights, chosen)), chosen):
+        where = version_dir(weights, chosen)
+        raise ExportError(f"{where} was written by a learner after another took the run over (fenced out): not "
+                          "the run's policy; give the version's directory to export it anyway")  # fmt: skip
     return version_dir(weights, chosen)
+
+
+def _under(run: Path, path: Path) -> Path:
+    """A directory of the resolved config: absolute, or relative to the run directory where it is there (else to the
+    current directory, as the learner resolved it)."""
+    return path if path.is_absolute() or not (run / path).is_dir() else run / path
 
 
 def export(version: Path, out: Path, *, base: str = "", dtype: str = "auto") -> str:

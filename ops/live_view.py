@@ -213,13 +213,17 @@ class Progress:
             t.add_row("difficulty sampling", passed_over(s["prompt_choices"]))
         self.console.print(t)
         self.console.print(f"accounting: {s['equation']}", highlight=False, soft_wrap=True)
+        if s.get("prompt_equation"):
+            self.console.print(f"            {s['prompt_equation']}", highlight=False, soft_wrap=True)
 
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarise(rows: list[dict[str, Any]], balance: Any, wall_s: float, choices: dict[str, int]) -> dict[str, Any]:
+def summarise(
+    rows: list[dict[str, Any]], balance: Any, wall_s: float, choices: dict[str, int], prompts: Any = None
+) -> dict[str, Any]:
     steps = [r for r in rows if r.get("step", 0) > 0 and "reward" in r]
     evals = [r for r in rows if "eval/accuracy" in r]
     rewards = [r["reward"] for r in steps]
@@ -245,4 +249,7 @@ def summarise(rows: list[dict[str, Any]], balance: Any, wall_s: float, choices: 
         "prompt_choices": choices,  # difficulty sampling's positions taken / passed over, by pool ({}: the cursor)
         "unexplained": balance.unexplained,
         "equation": balance.equation(),
+        # Every prompt position drawn, accounted for (common.schemas.prompts); None when not read
+        "prompt_equation": prompts.equation() if prompts is not None else None,
+        "prompts_unexplained": prompts.unexplained if prompts is not None else 0,
     }

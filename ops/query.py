@@ -28,11 +28,14 @@ _SCAN_CALLS = 50  # at most this many SCAN calls (of 1000 keys) to name the runs
 
 
 def query_transport(cfg: Config) -> Transport:
-    """A connection for one question: no reconnect attempts, a short timeout, and its one failure reported as the
-    one line (the transport's ``attempt i/n`` warnings belong to services that retry)."""
+    """A connection for one question: no reconnect attempts, a short timeout, no wait for a Redis that refuses
+    commands for now (busy with a script, loading its data: ``redis.full_wait_s`` is for services, which must ride
+    it out; an operator's question is answered at once), and its one failure reported as the one line (the
+    transport's ``attempt i/n`` warnings belong to services that retry)."""
     logging.getLogger("common.transport").setLevel(logging.ERROR)
     timeout = min(cfg.redis.socket_timeout_s, QUERY_TIMEOUT_S)
-    t = Transport(cfg.redis.model_copy(update={"retries": 0, "socket_timeout_s": timeout}), cfg.run.name)
+    now = {"retries": 0, "socket_timeout_s": timeout, "full_wait_s": 0.0}
+    t = Transport(cfg.redis.model_copy(update=now), cfg.run.name)
     try:
         t.ping()  # TransportError: "redis at <masked url> is unreachable: ...", exit 2
     except BaseException:

@@ -470,17 +470,17 @@ def end_run(run: Run, progress: Progress) -> int:
     run.stop_children()
     t = Transport(run.cfg.redis, run.cfg.run.name)
     try:
-        balance = read_balance(t)
+        balance, prompts = read_balance(t), t.prompt_balance()
         _, choices = t.sampling_choices()
     finally:
         t.close()
     from ops.live_view import summarise
 
-    summary = summarise(run.rows, balance, time.perf_counter() - run.started, choices)
+    summary = summarise(run.rows, balance, time.perf_counter() - run.started, choices, prompts)
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     progress.summary(summary)
-    if balance.unexplained:
-        log.error("the accounting does not balance: %s", balance.equation())
+    if balance.unexplained or prompts.unexplained:
+        log.error("the accounting does not balance: %s; %s", balance.equation(), prompts.equation())
         return 1
     return 0
 

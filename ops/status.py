@@ -1,4 +1,5 @@
-"""``grpo status``: the accounting equation, live actors, the published version and whether the run is done.
+"""``grpo status``: the accounting equations (the groups', and the prompts' beside it), live actors, the published
+version and whether the run is done.
 
 Read from Redis as every operator query is (:mod:`ops.query`: whatever is running, failing fast). Exit codes: 0 when
 the counts balance and are the whole run, 1 when something is unexplained or Redis lost part of the run, 2 when Redis
@@ -19,7 +20,7 @@ from typing import Any
 from common.cli import EXIT_USAGE, role_parser
 from common.config import Config, load_config
 from common.schemas import LeaseHolder, SchemaError, WeightsAnnouncement
-from common.transport import Transport, choices_of, lease_line, read_balance
+from common.transport import PromptBalance, Transport, choices_of, lease_line, read_balance
 from ops.query import asking, query_transport, unknown_run_line
 
 
@@ -50,12 +51,14 @@ def main(argv: Sequence[str]) -> int:
         print(json.dumps(report))
     else:
         print_status(cfg.run.name, report)
-    return 0 if report["unexplained"] == 0 and not report["lost"] else 1
+    whole = report["unexplained"] == 0 and report["prompt_positions"]["unexplained"] == 0
+    return 0 if whole and not report["lost"] else 1
 
 
 def _report(cfg: Config, t: Transport) -> dict[str, Any] | None:
     """What ``grpo status`` reports, or None for a run Redis has never seen (and no checkpoint here shows)."""
     b = read_balance(t)
+    pb = t.prompt_balance()
     lost = lost_state(cfg, t, b.trained)
     if not lost and not t.run_seen():
         return None
@@ -87,6 +90,29 @@ def _report(cfg: Config, t: Transport) -> dict[str, Any] | None:
         "learner_lease_malformed": lease_problem,
         # Difficulty sampling (prompts:record, prompts:choices): problems on record, positions taken / passed over.
         "prompts": {"on_record": on_record, "choices": choices},
+        # What became of every prompt position drawn (common.schemas.prompts), beside the groups' equation.
+        "prompt_positions": prompt_report(pb, lost),
+    }
+
+
+def prompt_report(pb: PromptBalance, lost: list[str]) -> dict[str, Any]:
+    c = pb.counters
+    equation = pb.equation() if c.counted else "prompts: not counted (the actors of this run are of an earlier build)"
+    return {
+        "equation": equation.replace("(balanced)", "(balanced since the loss)" if lost else "(balanced)"),
+        "drawn": c.drawn,
+        "sent": c.sent,
+        "filtered": c.filtered,
+        "discarded": c.discarded,
+        "skipped": c.skipped,
+        "in_flight": pb.claimed,
+        "held_by_actors_gone": pb.expired,
+        "to_redraw": pb.to_redraw,
+        "requeued": c.requeued,
+        "redrawn": c.redrawn,
+        "trained": c.trained,
+        "retrained": c.retrained,
+        "unexplained": pb.unexplained if c.counted else 0,
     }
 
 
@@ -107,6 +133,8 @@ def print_status(name: str, r: Mapping[str, Any]) -> None:
         print(f"NOT WHOLE: {line}")
     print(f"dropped {counts(r['dropped'])}  filtered by actors {counts(r['filtered'])}  "
           f"discarded {counts(r['discarded'])}")  # fmt: skip
+    for line in prompt_lines(r["prompt_positions"]):
+        print(line)
     if line := sampling_line(r["prompts"]):
         print(line)
     actors: Mapping[str, int | None] = r["actors"]
@@ -115,6 +143,19 @@ def print_status(name: str, r: Mapping[str, Any]) -> None:
         return
     each = ", ".join(f"{k} ({'no weights yet' if v is None or v == -1 else f'v{v}'})" for k, v in actors.items())
     print(f"{len(actors)} live actor{'s' if len(actors) != 1 else ''}: {each}")
+
+
+def prompt_lines(p: Mapping[str, Any]) -> list[str]:
+    """The prompts' equation, and where the positions given back and the trained ones went."""
+    if not p["drawn"] and not p["redrawn"]:
+        return [p["equation"]]
+    twice = "none twice" if not p["retrained"] else f"{p['retrained']} TWICE in a pass"
+    return [
+        p["equation"],
+        f"prompt positions given back {counts(p['requeued'])}, drawn again {p['redrawn']}; filtered "
+        f"{counts(p['filtered'])}, discarded {counts(p['discarded'])}, skipped {counts(p['skipped'])}; "
+        f"trained {p['trained']} ({twice})",
+    ]
 
 
 def sampling_line(prompts: Mapping[str, Any]) -> str:

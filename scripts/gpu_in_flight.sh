@@ -4,12 +4,16 @@
 # steps, keeping the cache and recomputing it (benchmarks/in_flight_engine.py: one JSON line each, the load's pause in
 # load_pause_s, and whether every answer finished with the new version's tokens); then, where SGLang and pytest are
 # installed for this python, the SGLang engine's pause / update / continue against a real server
-# (tests/sglang/test_real_in_flight.py).
+# (tests/sglang/test_real_in_flight.py). First, the load under bfloat16 autocast over float32 weights, keep and
+# recompute, on the local engine itself (benchmarks/in_flight_autocast.py: its answers against an engine whose every
+# cast is fresh, and the stale casts' difference; exit 1 when they are not the same).
 #   ./scripts/gpu_in_flight.sh       # PYTHON=/path/to/python to choose the interpreter
 # Needs torch with CUDA, transformers, numpy, safetensors, xxhash, msgpack, pydantic and pyyaml importable (no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_python.sh  # PYTHON, checked to have torch with CUDA
+"$PYTHON" benchmarks/in_flight_autocast.py --preset 0.5b --device cuda --prompts 8 --samples 4 --prompt-len 256 \
+  --tokens 512 --load-at 128
 "$PYTHON" benchmarks/in_flight_engine.py --preset 0.5b --device cuda --dtype bfloat16 --prompts 8 --samples 4 \
   --prompt-len 256 --tokens 1024 --load-at 256
 if "$PYTHON" -c 'import sglang, pytest' 2>/dev/null; then

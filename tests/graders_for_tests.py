@@ -12,6 +12,15 @@ def hang_on_x(completion: str, reference: str) -> float:
     return float(completion == reference)
 
 
+def hang_while_file(completion: str, reference: str) -> float:
+    """Exact match, but never returns while the file GRPO_TEST_HANG_FILE names exists: a grader call hung in the
+    loop's thread of the process that grades inline (grader.isolation=inline), until the test removes it."""
+    path = os.environ.get("GRPO_TEST_HANG_FILE", "")
+    while path and os.path.exists(path):
+        time.sleep(0.2)
+    return float(completion == reference)
+
+
 def boom_on_x(completion: str, reference: str) -> float:
     if completion == "x":
         raise RuntimeError("grader bug")

@@ -75,6 +75,14 @@ class RedisConfig(Section):
         "backoff_max_s); past them the process exits with code 3",
     )
     backoff_max_s: float = Field(5.0, gt=0, description="longest wait between two reconnect attempts")
+    full_wait_s: float = Field(
+        600.0,
+        ge=0,
+        description="how long a process waits, per command, for a Redis that refuses commands for now: full (used "
+        "memory over maxmemory with maxmemory-policy noeviction), unable to persist, short of replicas, busy with a "
+        "script, or a replica without its primary; tried again with the reconnect backoff, each attempt logged with "
+        "what to do; past it the process exits with code 3",
+    )
     max_message_bytes: int = Field(
         0,
         ge=0,
@@ -238,7 +246,7 @@ def _service_url_problem(url: str) -> str | None:
     return None
 
 
-_SERVICE_ONLY = ("url", "batch_size", "retries", "retry_backoff_s")
+_SERVICE_ONLY = ("url", "batch_size", "retries", "retry_backoff_s", "round_budget_s")
 
 
 class GraderComponent(Section):
@@ -267,7 +275,8 @@ class GraderConfig(Section):
     timeout_s: float = Field(
         5.0,
         gt=0,
-        description="time limit per answer; past it the answer scores 0 (service: per request, each attempt)",
+        description="time limit per answer; past it the answer scores 0 (service: per attempt at a request, "
+        "everything included: name lookup, connecting, sending, the whole answer)",
     )
     isolation: Literal["process", "inline"] = Field(
         "process",
@@ -293,6 +302,15 @@ class GraderConfig(Section):
     )
     retry_backoff_s: float = Field(
         0.5, ge=0, description="service: the wait before the first retry, doubled before each next one"
+    )
+    round_budget_s: float = Field(
+        0.0,
+        ge=0,
+        description="service: the seconds a round's batches (one engine call's answers, or one evaluation batch) "
+        "may take in all, retries and backoffs included, so the most an actor waits for its scores per round; the "
+        "request in flight at the end is cut (service_timeout), the batches not sent score 0 (service_budget). 0 = "
+        "(batches + retries) x timeout_s + one batch's backoffs: every batch's first attempt and one batch's "
+        "retries, which a scorer answering each batch within timeout_s never reaches",
     )
 
     @model_validator(mode="after")
@@ -395,13 +413,24 @@ class WeightsConfig(Section):
         120.0,
         gt=0,
         description="weights.transport nccl: how long the learner waits for its actors to join and be ready, and for "
-        "each bucket; past it the version goes to disk instead and the group is formed anew next time",
+        "each bucket; past it the version goes to disk instead and the group is formed anew next time. Also how long "
+        "an actor that received a version waits for its learner's announcement of it before dropping it",
     )
 
 
 class MetricsConfig(Section):
     host: str = Field("127.0.0.1", description="address /metrics and /healthz bind to")
     port: int = Field(0, ge=0, le=65535, description="0 = any free port (reported in endpoints.json)")
+    stall_after_s: float = Field(
+        1800.0,
+        gt=0,
+        description="/healthz fails (503: a liveness probe restarts the process) once the role's loop has gone this "
+        "long without a beat; keep it above the longest step that does not beat as it goes (a training step, an "
+        "evaluation, loading the model, writing a checkpoint or a version: raise it where a checkpoint takes longer, "
+        "a 70B model's with its optimizer state is ~560 GB, over 30 min at 300 MB/s). Waiting for groups or room "
+        "beats as it waits; waiting for the lease or a SGLang server has learner.held_wait_s or "
+        "sglang.ready_timeout_s added (docs/operations.md, Health)",
+    )
 
 
 class EnvConfig(Section):

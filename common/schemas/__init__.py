@@ -6,7 +6,7 @@ Messages
     One prompt, its G completions with their behaviour log-probs and rewards, stamped with the policy version that
     generated them. Invariants, checked by :func:`decode_group`:
 
-    - ``v`` is :data:`SCHEMA_VERSION` (or 1 to 4, read for groups still in a stream written by an older build) and
+    - ``v`` is :data:`SCHEMA_VERSION` (or 1 to 5, read for groups still in a stream written by an older build) and
       ``type`` is ``"group"``; no unknown keys anywhere;
     - arrays travel as ``{"dtype": ..., "data": <little-endian bytes>}``, never as lists of numbers;
     - every completion has as many behaviour log-probs as tokens (at least one), log-probs are in
@@ -37,23 +37,27 @@ Messages
       adding up to its length, and at least one model token per completion). Sent only when some token of the group
       is the environment's; absent, every token is the model's. In memory: ``Completion.mask`` (uint8, L) and the
       column ``Completions.mask`` (uint8, N, or None).
+    - ``position`` (optional, version 6, an int ≥ 0): the prompt cursor's position the group was drawn at
+      (common.schemas.prompts): the learner marks it trained as it acknowledges the group; absent in older builds'
+      messages (and allowed absent: a group written by hand).
 
-Layout (version 5). The G completions travel as columns, not as G maps: ``completions`` is one map of
+Layout (version 6). The G completions travel as columns, not as G maps: ``completions`` is one map of
 ``lengths`` (int32, G), ``token_ids`` and ``logprobs`` (every completion's, end to end, ``sum(lengths)`` each),
 ``rewards`` (float64, G) and ``finish_reasons`` (G strings)::
 
-    {"v": 5, "type": "group", "group_id": str, "prompt_id": str, "policy_version": int, "actor_id": str,
+    {"v": 6, "type": "group", "group_id": str, "prompt_id": str, "policy_version": int, "actor_id": str,
      "created_at": float, "prompt_ids": array, "zero_std": bool, ["penalties": array,] ["epoch": int,]
+     ["position": int,]
      "completions": {"lengths": array, "token_ids": array, "logprobs": array, "rewards": array,
                      "finish_reasons": [str, ...], ["versions": {"runs", "version", "tokens"},]
                      ["mask": {"runs", "value", "tokens"}]}}
 
 Why columns: a group is a handful of arrays whatever G is, so packing, unpacking and checking it costs a few numpy
 calls instead of G small maps of nested maps; that halved the cost of moving a group through Redis (benchmark
-B3). Version 4 was this layout without ``mask``, version 3 it without ``versions`` either, version 2 it with
-``filtered`` and without ``penalties``; version 1 carried ``completions`` as a list of ``{"token_ids", "logprobs",
-"reward", "finish_reason"}`` maps; the decoder still reads all four (every token the model's), so groups left in a
-stream by an older build are trained, not dead-lettered.
+B3). Version 5 was this layout without ``position``, version 4 it without ``mask`` too, version 3 it without
+``versions`` either, version 2 it with ``filtered`` and without ``penalties``; version 1 carried ``completions`` as a
+list of ``{"token_ids", "logprobs", "reward", "finish_reason"}`` maps; the decoder still reads all five (every
+token the model's), so groups left in a stream by an older build are trained, not dead-lettered.
 
 ``WeightsAnnouncement`` (learner → Redis hash ``weights:latest`` + channel ``weights`` → actors)
     ``version``, ``uri`` (a directory), ``digest`` (``xxh3-128:<hex>`` or ``sha256:<hex>``, over its
@@ -72,16 +76,19 @@ Weights over NCCL (learner ⇄ actors, through Redis; the protocol is common.wei
 The run's state in Redis (common.schemas.state)
     ``RunCounters`` (hash ``stats``: ``groups_produced``, ``groups_trained``, ``groups_dead``,
     ``groups_replayed``, ``zero_std_forwarded`` and ``groups_<dropped|filtered|discarded>:<reason>``, each an
-    integer; :func:`counter` names the last),
+    integer; :func:`counter` names the last; the ``prompts_*`` fields are ``PromptCounters``', the prompts' own
+    equation: common.schemas.prompts, with ``PromptClaim``, a field of the hash ``prompts:claims``),
     ``RunIdentity`` (hash ``identity``), ``DoneMark`` (string ``done``), ``DeadLetter`` (an entry of the stream
     ``dead``), ``Reservation`` (a field of the hash ``inflight``: ``<groups> <lease end ms>``) and the ``weights``
     channel's message (:func:`weights_wakeup`). The Lua scripts of common.transport write several of them; they
     write these forms, and tests read what they wrote back through them. ``prompts:cursor`` is a plain integer
-    (INCRBY), and ``trained_ids`` a sorted set of group ids scored by learner step.
+    (INCRBY), ``prompts:redraw`` a list of positions, ``prompts:trained`` a bitmap of positions, and ``trained_ids``
+    a sorted set of group ids scored by learner step.
 
-The forms live in three modules behind this face: the group message's types, encoding, decoding and validation
+The forms live in four modules behind this face: the group message's types, encoding, decoding and validation
 (common.schemas.group, its optional columns in common.schemas.versions and common.schemas.masks), the small forms
-above it (common.schemas.control) and the run's state (common.schemas.state); the field checks they share are in
+above it (common.schemas.control), the run's state (common.schemas.state) and the prompts' accounting
+(common.schemas.prompts); the field checks they share are in
 common.schemas.fields. Import them from here.
 
 A payload that fails here raises :class:`SchemaError` with a one-line reason; the learner moves it to the ``dead``
@@ -117,6 +124,16 @@ from common.schemas.group import (
     decode_group,
     encode_group,
 )
+from common.schemas.prompts import (
+    MAX_MARKED_POSITION,
+    PROMPT_KINDS,
+    PROMPTS_SENT,
+    PromptClaim,
+    PromptCounters,
+    PromptKind,
+    claims_of,
+    prompt_counter,
+)
 from common.schemas.state import (
     COUNTER_KINDS,
     DEAD,
@@ -148,7 +165,10 @@ __all__ = [
     "FINISH_REASONS",
     "FORWARDED",
     "LOGPROB_FLOOR",
+    "MAX_MARKED_POSITION",
     "PRODUCED",
+    "PROMPTS_SENT",
+    "PROMPT_KINDS",
     "READABLE_VERSIONS",
     "REPLAYED",
     "SCHEMA_VERSION",
@@ -169,6 +189,9 @@ __all__ = [
     "NcclDecision",
     "NcclDecisionName",
     "NcclMember",
+    "PromptClaim",
+    "PromptCounters",
+    "PromptKind",
     "Reservation",
     "Round",
     "RunCounters",
@@ -177,8 +200,10 @@ __all__ = [
     "VersionRuns",
     "WeightsAnnouncement",
     "as_text",
+    "claims_of",
     "counter",
     "decode_group",
     "encode_group",
+    "prompt_counter",
     "weights_wakeup",
 ]

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import combinations
 from typing import Any, Literal, cast, overload
 
 import msgpack
@@ -23,8 +24,8 @@ from common.schemas.fields import text as _str
 from common.schemas.masks import MASK_KEYS, checked_logprobs, joined_mask, mask_from_runs, mask_runs
 from common.schemas.versions import VERSION_KEYS, VersionRuns, check_runs, runs_from_fields
 
-SCHEMA_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+SCHEMA_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
 
@@ -196,6 +197,9 @@ class GroupMessage:
     # The lineage (learner epoch) of the weights it was sampled with, from their announcement; None when unknown
     # (a message of an older build, or an actor that never saw the announcement): the learner goes by the version.
     epoch: int | None = None
+    # The prompt cursor's position it was drawn at (common.schemas.prompts): the learner marks it trained when it
+    # acknowledges the group; None for a message of an older build.
+    position: int | None = None
 
     def __post_init__(self) -> None:
         # Held as columns whatever was passed, so that encoding and the learner's batch work on whole arrays.
@@ -255,6 +259,8 @@ def encode_group(msg: GroupMessage) -> bytes:
         body["penalties"] = _array(msg.penalties, "float32")
     if msg.epoch is not None:  # optional: a message without it is what earlier builds send
         body["epoch"] = int(msg.epoch)
+    if msg.position is not None:  # optional: a group replayed or written by hand may have none
+        body["position"] = int(msg.position)
     return cast(bytes, msgpack.packb(body, use_bin_type=True))
 
 
@@ -425,18 +431,21 @@ def _decode_penalties(v: Any, g: int) -> np.ndarray:
 
 
 # The keys of each version beside the optional ``epoch``: versions 1 and 2 carried ``filtered`` (a summary of the
-# groups an actor filtered out, which this build reads from Redis alone: its value is skipped), versions 3 to 5
-# carry optional ``penalties`` instead (4 optional ``versions`` inside ``completions``, and 5 ``mask`` too).
+# groups an actor filtered out, which this build reads from Redis alone: its value is skipped), versions 3 to 6
+# carry optional ``penalties`` instead (4 optional ``versions`` inside ``completions``, 5 ``mask`` too, and 6 an
+# optional ``position``).
 _BASE_KEYS = {"v", "type", "group_id", "prompt_id", "policy_version", "actor_id", "created_at", "prompt_ids",
               "completions", "zero_std"}  # fmt: skip
-_OPTIONAL_KEYS = {v: {"epoch"} | ({"penalties"} if v >= 3 else set()) for v in READABLE_VERSIONS}
+_OPTIONAL_KEYS = {
+    v: {"epoch"} | ({"penalties"} if v >= 3 else set()) | ({"position"} if v >= 6 else set()) for v in READABLE_VERSIONS
+}
 _REQUIRED_KEYS = {v: _BASE_KEYS | ({"filtered"} if v < 3 else set()) for v in READABLE_VERSIONS}
 
 
 # Every set of keys a valid message of each version has, to match a message's keys at once (the common case).
 _KEY_SETS = {
-    v: [_REQUIRED_KEYS[v] | extra for extra in (set(), {"epoch"}, _OPTIONAL_KEYS[v] - {"epoch"}, _OPTIONAL_KEYS[v])]
-    for v in _REQUIRED_KEYS
+    v: [_REQUIRED_KEYS[v] | set(extra) for k in range(len(opt) + 1) for extra in combinations(sorted(opt), k)]
+    for v, opt in _OPTIONAL_KEYS.items()
 }
 
 
@@ -483,4 +492,5 @@ def decode_group(raw: bytes) -> GroupMessage:
         zero_std=_bool(d["zero_std"], "zero_std"),
         penalties=_decode_penalties(d["penalties"], len(completions)) if "penalties" in d else None,
         epoch=_int(d["epoch"], "epoch") if "epoch" in d else None,
+        position=_int(d["position"], "position") if "position" in d else None,
     )

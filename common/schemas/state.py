@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from common.schemas.fields import SchemaError, as_text
+from common.schemas.prompts import PromptCounters, is_prompt_field
 
 # --- the durable counters (hash ``stats``; DESIGN §4's accounting equation is read from them) -------------------
 
@@ -41,7 +42,8 @@ class RunCounters:
     """The ``stats`` hash, read: every field an integer ≥ 0 named :data:`PRODUCED`, :data:`TRAINED`,
     :data:`DEAD`, :data:`REPLAYED`, :data:`FORWARDED` or ``groups_<kind>:<reason>`` (:func:`counter`); an absent
     field is 0. A counter this build does not name (a newer build's) is kept in ``other``, outside the equation:
-    the hash outlives every process, and a learner must not stop on a count it has no use for."""
+    the hash outlives every process, and a learner must not stop on a count it has no use for. The ``prompts_*``
+    fields are the prompts' own equation's (:class:`common.schemas.prompts.PromptCounters`)."""
 
     produced: int = 0
     trained: int = 0
@@ -52,22 +54,25 @@ class RunCounters:
     filtered: dict[str, int] = field(default_factory=dict)
     discarded: dict[str, int] = field(default_factory=dict)
     other: dict[str, int] = field(default_factory=dict)
+    prompts: PromptCounters = field(default_factory=PromptCounters)
 
     def to_hash(self) -> dict[str, int]:
         """The fields that are not 0, as Redis holds them."""
         plain = dict(zip(_PLAIN, (self.produced, self.trained, self.dead, self.replayed, self.forwarded), strict=True))
         by_reason = {counter(k, r): n for k in COUNTER_KINDS for r, n in getattr(self, k).items()}
-        return {name: n for name, n in {**plain, **by_reason, **self.other}.items() if n}
+        return {name: n for name, n in {**plain, **by_reason, **self.other, **self.prompts.to_hash()}.items() if n}
 
     @classmethod
     def from_hash(cls, h: Mapping[Any, Any]) -> RunCounters:
         plain = {name: 0 for name in _PLAIN}
-        by_kind: dict[str, dict[str, int]] = {k: {} for k in (*COUNTER_KINDS, "other")}
+        by_kind: dict[str, dict[str, int]] = {k: {} for k in (*COUNTER_KINDS, "other", "prompts")}
         for k, v in h.items():
             name = _text(k, "stats")
             n = _count(v, f"stats.{name[:80]}")
             if name in plain:
                 plain[name] = n
+            elif is_prompt_field(name):
+                by_kind["prompts"][name] = n
             # Any reason is read (counter() is strict only about what this build writes): a count by reason that
             # fell outside the equation would make the accounting look unbalanced.
             elif (m := re.fullmatch(r"groups_(dropped|filtered|discarded):(.+)", name, re.S)) is not None:
@@ -78,6 +83,7 @@ class RunCounters:
             produced=plain[PRODUCED], trained=plain[TRAINED], dead=plain[DEAD], replayed=plain[REPLAYED],
             forwarded=plain[FORWARDED], dropped=by_kind["dropped"], filtered=by_kind["filtered"],
             discarded=by_kind["discarded"], other=by_kind["other"],
+            prompts=PromptCounters.from_counts(by_kind["prompts"]),
         )  # fmt: skip
 
 

@@ -9,6 +9,12 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 ``weights:latest``     hash        ``version``, ``uri``, ``digest``, ``format``, ``published_at``
 ``weights``            channel     pub/sub: the new version number (common.schemas.weights_wakeup), with the hash update
 ``prompts:cursor``     counter     shared by actors so replicas do not repeat prompts
+``prompts:claims``     hash        rounds' claims on the positions they sample: holder -> ``<lease end ms>
+                                   r<round> <positions>`` (common.schemas.PromptClaim; common.transport.prompts)
+``prompts:redraw``     list        positions given back (a claim that expired or was let go), drawn before new ones
+``prompts:last``       hash        holder -> its last draw or settling write (``draw <token> <positions>``,
+                                   ``settled <token>``): a call sent again after a lost reply acts once
+``prompts:trained``    bitmap      bit ``p`` set once the learner acknowledged position ``p``'s group as trained
 ``prompts:record``     hash        problem id -> its recent outcomes (``m``/``r``/``w`` per group; difficulty sampling,
                                    common.transport.difficulty)
 ``prompts:choices``    hash        ``taken:<pool>``, ``passed:<pool>``: cursor positions the difficulty sampler took or
@@ -55,8 +61,13 @@ wire package (common.schemas).
 operator's side, all sharing one connection (common.transport.views says which view has which side):
 
 ===========================  ===============================================================================
-common.transport.connection  the URL (plain, TLS, Sentinel), the bounded retry, key names, Lua registration
-common.transport.admission   actors: writing rounds, reserving room for them (``inflight``), the prompt cursor
+common.transport.connection  the URL (plain, TLS, Sentinel), the bounded retries (a lost connection; a Redis that
+                             refuses commands for now, such as a full one), key names, Lua registration
+common.transport.refusals    the replies with which Redis refuses a command for now (full, busy ...), recognised
+common.transport.admission   actors: writing rounds (settling their prompts' claims), reserving room for them
+                             (``inflight``)
+common.transport.prompts     actors: drawing prompt positions under a claim, giving them back; the prompts'
+                             equation (operator)
 common.transport.delivery    the learner: delivering within a byte budget, taking over, settling groups
 common.transport.dead        dead letters: the learner moves them, the operator reads and replays them
 common.transport.difficulty  actors: the problems' record for difficulty sampling; its counts (operator)
@@ -73,10 +84,19 @@ Import every name from here.
 from __future__ import annotations
 
 from common.transport.admission import Admission, MessageTooLarge, round_fits
-from common.transport.connection import CONSUMER_GROUP, Keys, SentinelURL, TransportError, parse_sentinel_url
+from common.transport.connection import (
+    CONSUMER_GROUP,
+    Keys,
+    RedisUnavailable,
+    SentinelURL,
+    TransportError,
+    parse_sentinel_url,
+)
 from common.transport.delivery import DEAD_PREFIX_BYTES, Delivery, ReadLimits, StreamEntry
 from common.transport.difficulty import choices_of
 from common.transport.lease import LeaseHeld, LeaseLost, lease_line
+from common.transport.prompts import ClaimLost, PromptBalance
+from common.transport.refusals import Refusal, refusal
 from common.transport.run import Balance, read_balance
 from common.transport.views import ActorTransport, LearnerTransport, Transport
 
@@ -86,13 +106,17 @@ __all__ = [
     "ActorTransport",
     "Admission",
     "Balance",
+    "ClaimLost",
     "Delivery",
     "Keys",
     "LearnerTransport",
     "LeaseHeld",
     "LeaseLost",
     "MessageTooLarge",
+    "PromptBalance",
     "ReadLimits",
+    "RedisUnavailable",
+    "Refusal",
     "SentinelURL",
     "StreamEntry",
     "Transport",
@@ -101,5 +125,6 @@ __all__ = [
     "lease_line",
     "parse_sentinel_url",
     "read_balance",
+    "refusal",
     "round_fits",
 ]

@@ -10,7 +10,8 @@ from typing import Any
 import redis
 
 from common.schemas import FilteredStats, as_text
-from common.transport.connection import CONSUMER_GROUP, Connection, Lua
+from common.transport.connection import CONSUMER_GROUP, Connection, Lua, call_token
+from common.transport.prompts import CLAIM_LUA, claim_lost
 
 # Unread entries: XLEN minus the consumer group's pending count (no group yet: all of them).
 _UNREAD_LUA = """
@@ -26,18 +27,35 @@ end
 UNREAD = _UNREAD_LUA + "return unread(KEYS[1], ARGV[1])"
 
 
+# ARGV: consumer group, bound, holder, #counters, #sums, largest message, claim ('settle <token> <round>': the
+# holder's claim on its prompt positions must be there, the round's, and ends; '': claims untouched), then the
+# counters, the sums, the payloads. KEYS: groups, stats, inflight, filtered, prompts:claims, prompts:last.
 _PRODUCE = (
     _UNREAD_LUA
+    + CLAIM_LUA
     + """
 local ncount = tonumber(ARGV[4])
 local nsums = tonumber(ARGV[5])
-local first = 7 + 2 * ncount + 2 * nsums
+local first = 8 + 2 * ncount + 2 * nsums
 local npay = #ARGV - first + 1
 local bound = tonumber(ARGV[2])
 local most = tonumber(ARGV[6])
+local token, round = string.match(ARGV[7], '^settle (%S+) ?(%S*)$')
+local settle = token ~= nil and ARGV[3] ~= ''
 for i = first, #ARGV do
   if most >= 0 and #ARGV[i] > most then
     return redis.error_reply('oversized: a message of ' .. #ARGV[i] .. ' bytes, over the limit of ' .. most)
+  end
+end
+-- A claim another actor's draw gave back (this actor was gone past its lease) is not this round's any more: its
+-- positions are being drawn again, and the round would repeat them; nor is one another round holds under the same
+-- name (a process started since with this actor's id).
+-- The same write sent again after its reply was lost (Redis had run it: the claim it settled is gone) is done.
+if settle then
+  local mine = redis.call('HGET', KEYS[5], ARGV[3])
+  if not mine or select(2, claim_parts(mine)) ~= round then
+    if redis.call('HGET', KEYS[6], ARGV[3]) == 'settled ' .. token then return {} end
+    return redis.error_reply('claim_lost: the claim of ' .. ARGV[3] .. ' on its prompt positions is gone')
   end
 end
 if npay > 0 and bound >= 0 then
@@ -47,11 +65,15 @@ end
 local ids = {}
 for i = first, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'data', ARGV[i]) end
 if npay > 0 then redis.call('HINCRBY', KEYS[2], 'groups_produced', npay) end
-for i = 0, ncount - 1 do redis.call('HINCRBY', KEYS[2], ARGV[7 + 2 * i], ARGV[8 + 2 * i]) end
+for i = 0, ncount - 1 do redis.call('HINCRBY', KEYS[2], ARGV[8 + 2 * i], ARGV[9 + 2 * i]) end
 for i = 0, nsums - 1 do
-  redis.call('HINCRBYFLOAT', KEYS[4], ARGV[7 + 2 * ncount + 2 * i], ARGV[8 + 2 * ncount + 2 * i])
+  redis.call('HINCRBYFLOAT', KEYS[4], ARGV[8 + 2 * ncount + 2 * i], ARGV[9 + 2 * ncount + 2 * i])
 end
 if ARGV[3] ~= '' then redis.call('HDEL', KEYS[3], ARGV[3]) end  -- the round is in: its reservation ends
+if settle then  -- and its positions' fates are in the counters above
+  redis.call('HDEL', KEYS[5], ARGV[3])
+  redis.call('HSET', KEYS[6], ARGV[3], 'settled ' .. token)
+end
 return ids
 """
 )
@@ -90,13 +112,22 @@ return 1
 )
 
 
+# Renew holder ARGV[1]'s reservation (KEYS[1], inflight) and its claim on prompt positions (KEYS[2], prompts:claims;
+# common.transport.prompts: its round and positions kept), whichever it has, by ARGV[2] ms from now.
 _RENEW = """
-local v = redis.call('HGET', KEYS[1], ARGV[1])
-if not v then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local n = string.match(v, '^(%d+) ') or '0'
-redis.call('HSET', KEYS[1], ARGV[1], n .. ' ' .. (now + tonumber(ARGV[2])))
+local lease_end = now + tonumber(ARGV[2])
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v then
+  local n = string.match(v, '^(%d+) ') or '0'
+  redis.call('HSET', KEYS[1], ARGV[1], n .. ' ' .. lease_end)
+end
+local c = redis.call('HGET', KEYS[2], ARGV[1])
+if c then
+  local rest = string.match(c, '^%d+ (.*)$')
+  if rest then redis.call('HSET', KEYS[2], ARGV[1], lease_end .. ' ' .. rest) end
+end
 return 1
 """
 
@@ -127,7 +158,7 @@ class Admission:
 
 
 class Producing(Connection):
-    """What actors do with the groups stream, the prompt cursor and their reservations."""
+    """What actors do with the groups stream and their reservations (the prompt positions: common.transport.prompts)."""
 
     _produce_script = Lua(_PRODUCE)
     _reserve_script = Lua(_RESERVE)
@@ -143,6 +174,7 @@ class Producing(Connection):
         holder: str = "",
         filtered: FilteredStats | None = None,
         max_bytes: int | None = None,
+        claim: bool = False,
     ) -> list[str] | None:
         """XADD groups and count them as produced, atomically: all of them or none.
 
@@ -153,22 +185,28 @@ class Producing(Connection):
         Written, the round ends ``holder``'s reservation (:meth:`reserve_round`). ``filtered`` summarises the
         round's groups that were sampled and filtered out: added to the ``filtered`` hash in the same script, so the
         learner's reward figures count them whatever becomes of the groups sent. A payload over ``max_bytes`` makes
-        the script refuse the whole call (:class:`MessageTooLarge`), writing nothing."""
+        the script refuse the whole call (:class:`MessageTooLarge`), writing nothing. With ``claim``, the round
+        also settles ``holder``'s claim on its prompt positions (common.transport.prompts: ``counters`` carry their
+        fates, ``prompts_*``); when that claim is gone, the script refuses the call, writing nothing
+        (:class:`ClaimLost`), unless this very call settled it already (sent again after a lost reply: it answers
+        ``[]``, having written once)."""
         counters = {k: n for k, n in (counters or {}).items() if n}
         sums = filtered.fields() if filtered is not None and filtered.groups else {}
-        if not payloads and not counters and not sums:
+        if not payloads and not counters and not sums and not (claim and holder):
             return []
         args: list[Any] = [CONSUMER_GROUP, -1 if bound is None else bound, holder, len(counters), len(sums)]
-        args.append(-1 if max_bytes is None else max_bytes)
+        settle = f"settle {call_token()} {self.rounds.of(holder)}" if claim and holder else ""
+        args += [-1 if max_bytes is None else max_bytes, settle]
         for name, n in [*counters.items(), *sums.items()]:
             args += [name, repr(n) if isinstance(n, float) else n]
-        keys = [self.keys.groups, self.keys.stats, self.keys.inflight, self.keys.filtered]
+        keys = [self.keys.groups, self.keys.stats, self.keys.inflight, self.keys.filtered, self.keys.prompts_claims,
+                self.keys.prompts_last]  # fmt: skip
         try:
             reply = self._do(lambda: self._produce_script(keys=keys, args=[*args, *payloads]))
         except redis.ResponseError as e:
             if "oversized" in str(e):
                 raise MessageTooLarge(str(e).split("oversized: ", 1)[-1]) from None
-            raise
+            raise claim_lost(e) or e from None
         return None if reply is None else [as_text(i) for i in reply]
 
     def reserve_round(self, holder: str, groups: int, version: int, admission: Admission, lease_s: float) -> bool:
@@ -186,13 +224,11 @@ class Producing(Connection):
         return bool(self._do(lambda: self._reserve_script(keys=keys, args=args)))
 
     def renew_reservation(self, holder: str, lease_s: float) -> None:
-        """Extend ``holder``'s reservation, if it has one, by ``lease_s`` from now (with each heartbeat)."""
+        """Extend ``holder``'s reservation and its claim on prompt positions, those it has, by ``lease_s`` from now
+        (with each heartbeat)."""
         lease_ms = max(1, int(lease_s * 1000))
-        self._do(lambda: self._renew_script(keys=[self.keys.inflight], args=[holder, lease_ms]))
-
-    def release_round(self, holder: str) -> None:
-        """Give up ``holder``'s reservation (a round it will not send)."""
-        self._do(lambda: self.client.hdel(self.keys.inflight, holder))
+        keys = [self.keys.inflight, self.keys.prompts_claims]
+        self._do(lambda: self._renew_script(keys=keys, args=[holder, lease_ms]))
 
     def stream_length(self) -> int:
         return int(self._do(lambda: self.client.xlen(self.keys.groups)))
@@ -200,8 +236,3 @@ class Producing(Connection):
     def unread(self) -> int:
         """Groups in the stream that no learner has read yet (its length minus the pending entries)."""
         return int(self._do(lambda: self._unread_script(keys=[self.keys.groups], args=[CONSUMER_GROUP])))
-
-    def next_prompts(self, k: int) -> range:
-        """Claim ``k`` consecutive prompt positions from the shared cursor (positions, not dataset indices)."""
-        end = int(self._do(lambda: self.client.incrby(self.keys.prompts_cursor, k)))
-        return range(end - k, end)

@@ -1,9 +1,12 @@
 """The connection to Redis that every part of the transport (common.transport) shares: the URL (plain, TLS or
-Sentinel), the bounded retry policy that logs each attempt, the run's key names, and the Lua scripts' registration."""
+Sentinel), the bounded retry policies that log each attempt (a lost connection; a Redis that refuses commands for
+now, such as a full one), the run's key names, and the Lua scripts' registration."""
 
 from __future__ import annotations
 
 import logging
+import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -17,6 +20,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from common.config import RedisConfig
+from common.transport.refusals import Refusal, refusal, refusal_attempts, refusal_pause
 
 # One logger for the whole transport, whichever file the code is in: operators and tests quiet or watch it by name.
 log = logging.getLogger("common.transport")
@@ -68,8 +72,41 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     )
 
 
+def call_token() -> str:
+    """A token of one call of a script that must not act twice when it is sent again after a lost reply (redis-py
+    resends a call whose connection dropped, and Redis may have run it already); also of a round, in its claim
+    (:class:`Rounds`)."""
+    return secrets.token_hex(8)
+
+
+class Rounds:
+    """The token of each holder's round in this process, written into the round's claim by its first draw: further
+    draws, the settling write and a release act on the claim only while it is still that round's. A holder name is
+    not enough: a process started under the same name (a fixed ``actor.id``) while an earlier one was frozen past its
+    lease holds a claim of that name too, and the earlier one, waking, would otherwise settle it with its own round
+    (its positions sent again, the new round's never trained nor given back)."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, str] = {}  # holder -> its round's token (threads draw for holders of their own)
+
+    def start(self, holder: str) -> str:
+        self._tokens[holder] = token = call_token()
+        return token
+
+    def of(self, holder: str) -> str:
+        """The token of ``holder``'s round; '' where this process drew none for it (no claim is its)."""
+        return self._tokens.get(holder, "")
+
+
 class TransportError(RuntimeError):
     """Redis could not be reached (after the configured retries) or refused us; the message says which."""
+
+
+class RedisUnavailable(redis.ConnectionError):
+    """Redis refused a command for now (:func:`refusal`: full, busy ...) for longer than ``redis.full_wait_s``. A
+    ConnectionError, so that a process stops on it as on a Redis it cannot reach (exit code 3, common.cli), in one
+    line, for its supervisor to start it again; and no handler of a reply's error (``redis.ResponseError``: a key
+    of the wrong type, a deleted stream, a lost lease) ever takes it for one of those."""
 
 
 class Keys:
@@ -84,6 +121,10 @@ class Keys:
         self.prompts_cursor = self.prefix + "prompts:cursor"
         self.prompts_record = self.prefix + "prompts:record"
         self.prompts_choices = self.prefix + "prompts:choices"
+        self.prompts_claims = self.prefix + "prompts:claims"
+        self.prompts_redraw = self.prefix + "prompts:redraw"
+        self.prompts_trained = self.prefix + "prompts:trained"
+        self.prompts_last = self.prefix + "prompts:last"
         self.stats = self.prefix + "stats"
         self.done = self.prefix + "done"
         self.trained_ids = self.prefix + "trained_ids"
@@ -137,7 +178,11 @@ class _LoggingRetry(Retry):
 class Lua:
     """A Lua script of the transport, declared as a class attribute and registered with an instance's client the
     first time that instance uses it (registering only computes its SHA; redis-py loads the script into Redis when a
-    call finds it missing)."""
+    call finds it missing).
+
+    A script that Redis refuses for now (full, busy: :func:`refusal`) is run again (:meth:`Connection._do`), which is
+    safe only because a refusal ends a script before it wrote anything: so no script may catch the error of a write
+    (``redis.pcall``) and go on writing."""
 
     def __init__(self, source: str):
         self.source = source
@@ -195,7 +240,10 @@ class Connection:
         if not cfg.url:
             raise TransportError("redis.url is empty: set it (or GRPO_REDIS_URL), or use `grpo run`")
         self.keys = Keys(run)
+        self.rounds = Rounds()  # the prompt claims' rounds this process holds (common.transport.prompts)
         self._cfg = cfg
+        self._refusal_attempts = refusal_attempts(cfg.full_wait_s, cfg.backoff_max_s)
+        self._gave_up = False  # a call waited redis.full_wait_s in vain: the process stops (see _refused)
         self._on_error = on_error
         self._sentinel: Sentinel | None = None
         try:
@@ -221,16 +269,68 @@ class Connection:
         return SentinelConnectionPool(s.service, sentinel, db=s.db, **(sentinel_auth | auth), **ssl, **common)
 
     def _do(self, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except redis.RedisError:
-            self._on_error()
-            raise
+        """One call to Redis: ``fn`` sends it, anew each time it is called (a pipeline is built inside it, see
+        :meth:`_batch`). A lost connection is retried by the connection's policy (redis-py's, ``redis.retries``); a
+        reply saying Redis cannot serve the call now (:func:`refusal`: full, busy ...) is waited out here, each
+        attempt logged ``attempt i/n`` with what to do, for up to ``redis.full_wait_s``; past it
+        :class:`RedisUnavailable`. Every failed attempt counts as a Redis error (``on_error``).
+
+        Sending a refused call again is safe, because Redis refused it before it changed anything, as
+        tests/integration/test_redis_refusals.py checks against redis-server: a refused command did not run; a
+        command refused while queued in MULTI makes Redis discard the whole transaction at EXEC (EXECABORT); and a
+        Lua script is refused only at a write before which it wrote nothing (Redis checks OOM at a script's writes
+        only while it has written nothing, so that a script that has written runs to its end; the other refusals'
+        states cannot change while a script runs, so its first write meets them), and the refusal ends the
+        script (see :class:`Lua`). Each call has the whole wait, as each has the reconnect attempts, until one has
+        waited it in vain (:meth:`_refused`)."""
+        attempts = self._refusal_attempts
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except redis.RedisError as e:
+                self._on_error()
+                why = refusal(e)
+                if why is None:
+                    raise
+                attempt += 1
+                self._refused(why, attempt, attempts)
+
+    def _refused(self, why: Refusal, attempt: int, attempts: int) -> None:
+        """The ``attempt``-th of ``attempts`` at a call was refused: say so with what to do, and pause before the
+        next; after the last, :class:`RedisUnavailable`. Once a call has given up, so does every call refused after
+        it, at once: the process is stopping (exit code 3), and its other threads (a heartbeat, the lease's
+        renewal) must not hold its exit up for another wait each."""
+        if attempt >= attempts or self._gave_up:
+            self._gave_up = True
+            log.warning("redis: %s: %s (attempt %d/%d, giving up)", why.what, why.fix, attempt, attempts)
+            raise RedisUnavailable(
+                f"{why.what}, for redis.full_wait_s ({self._cfg.full_wait_s:g}s) at {self.safe_url}: {why.fix}"
+            ) from None
+        pause = refusal_pause(attempt, self._cfg.backoff_max_s)
+        log.warning("redis: %s: %s (attempt %d/%d, waiting %.1fs; up to redis.full_wait_s %gs)", why.what, why.fix,
+                    attempt, attempts, pause, self._cfg.full_wait_s)  # fmt: skip
+        time.sleep(pause)
+
+    def _batch(self, build: Callable[[Any], object], *, transaction: bool) -> list[Any]:
+        """Commands sent together as one call (:meth:`_do`), in one MULTI/EXEC with ``transaction`` (their replies of
+        the same instant): ``build`` queues them on a pipeline built anew for each attempt (redis-py empties a
+        pipeline once it has run, whatever became of it). Without a transaction, the commands before a refused one
+        did run and are sent again: such a batch holds reads alone."""
+
+        def send() -> list[Any]:
+            pipe = self.client.pipeline(transaction=transaction)
+            build(pipe)
+            return cast(list[Any], pipe.execute())
+
+        return self._do(send)
 
     def ping(self) -> None:
         """Raise :class:`TransportError` with a readable reason when the server cannot be used."""
         try:
             self._do(self.client.ping)
+        except RedisUnavailable:
+            raise  # reached, but refusing commands for too long: as mid-run (exit code 3)
         except redis.AuthenticationError as e:
             raise TransportError(f"redis at {self.safe_url}: authentication failed ({e})") from None
         except redis.RedisError as e:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from common.schemas import DropReason, as_text, counter
+from common.schemas import MAX_MARKED_POSITION, DropReason, as_text, counter
 from common.transport.connection import CONSUMER_GROUP
 from common.transport.lease import Fenced, Leasing
 
@@ -28,14 +28,27 @@ return deleted
 
 
 # Trained groups are also remembered by group id (scored by learner step, the oldest forgotten), so a group delivered
-# twice (an actor's write retried after a lost reply) is recognised and trained once.
+# twice (an actor's write retried after a lost reply) is recognised and trained once. Each group's prompt position
+# (ARGV[5 + n + i], -1 for a group without one) is marked in the bitmap prompts:trained as its entry is deleted: a
+# position marked already (trained before in this pass) is counted as prompts_retrained, never silent.
 _SETTLE_TRAINED = """
 local n = tonumber(ARGV[4])
 local ids = {unpack(ARGV, 5, 4 + n)}
 redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
-local deleted = redis.call('XDEL', KEYS[1], unpack(ids))
+local deleted, marked, again = 0, 0, 0
+for i = 1, n do
+  if redis.call('XDEL', KEYS[1], ids[i]) == 1 then
+    deleted = deleted + 1
+    local position = tonumber(ARGV[4 + 2 * n + i])
+    if position ~= nil and position >= 0 then
+      if redis.call('SETBIT', KEYS[4], position, 1) == 1 then again = again + 1 else marked = marked + 1 end
+    end
+  end
+end
 if deleted > 0 then redis.call('HINCRBY', KEYS[2], 'groups_trained', deleted) end
-for i = 5 + n, #ARGV do redis.call('ZADD', KEYS[3], ARGV[2], ARGV[i]) end
+if marked > 0 then redis.call('HINCRBY', KEYS[2], 'prompts_trained', marked) end
+if again > 0 then redis.call('HINCRBY', KEYS[2], 'prompts_retrained', again) end
+for i = 5 + n, 4 + 2 * n do redis.call('ZADD', KEYS[3], ARGV[2], ARGV[i]) end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[3])
 return deleted
 """
@@ -217,14 +230,25 @@ class Delivering(Leasing):
             chunk = ids[i : i + _SCRIPT_CHUNK]
             self._settle_script(keys=[self.keys.groups, self.keys.stats], args=[CONSUMER_GROUP, counter, *chunk])
 
-    def ack_trained(self, ids: list[str], group_ids: list[str], step: int = 0, window: int = 1000) -> None:
+    def ack_trained(
+        self,
+        ids: list[str],
+        group_ids: list[str],
+        step: int = 0,
+        window: int = 1000,
+        positions: list[int] | None = None,
+    ) -> None:
         """After the optimizer step that used them (and the checkpoint that covers it): XACK + XDEL +
-        groups_trained, and remember the group ids for ``window`` steps, atomically."""
+        groups_trained, remember the group ids for ``window`` steps, and mark their prompt ``positions`` trained
+        (-1 or None: a group without one), atomically."""
+        marks = [p if p is not None and 0 <= p <= MAX_MARKED_POSITION else -1 for p in positions or [-1] * len(ids)]
+        if len(marks) != len(ids) or len(group_ids) != len(ids):
+            raise ValueError(f"{len(ids)} entries, {len(group_ids)} group ids, {len(marks)} positions")
         for i in range(0, len(ids), _SCRIPT_CHUNK):
-            part, gids = ids[i : i + _SCRIPT_CHUNK], group_ids[i : i + _SCRIPT_CHUNK]
+            part, gids, at = ids[i : i + _SCRIPT_CHUNK], group_ids[i : i + _SCRIPT_CHUNK], marks[i : i + _SCRIPT_CHUNK]
             self._settle_trained_script(
-                keys=[self.keys.groups, self.keys.stats, self.keys.trained_ids],
-                args=[CONSUMER_GROUP, step, step - window, len(part), *part, *gids],
+                keys=[self.keys.groups, self.keys.stats, self.keys.trained_ids, self.keys.prompts_trained],
+                args=[CONSUMER_GROUP, step, step - window, len(part), *part, *gids, *at],
             )
 
     def trained_before(self, group_ids: list[str]) -> list[bool]:

@@ -85,8 +85,10 @@ class ProblemRecordsReading(Connection):
 
     def sampling_choices(self) -> tuple[int, dict[str, int]]:
         """``(problems on record, {"taken:<pool>" | "passed:<pool>": count})``."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hlen(self.keys.prompts_record)
-        pipe.hgetall(self.keys.prompts_choices)
-        n, choices = self._do(pipe.execute)
+
+        def build(pipe: Any) -> None:
+            pipe.hlen(self.keys.prompts_record)
+            pipe.hgetall(self.keys.prompts_choices)
+
+        n, choices = self._batch(build, transaction=False)
         return int(n), {as_text(k): int(v) for k, v in choices.items() if v.isdigit()}  # another writer's: skipped

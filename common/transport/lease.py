@@ -179,6 +179,8 @@ class Leasing(Connection):
         try:
             got = self._do(lambda: self._lease_renew_script(keys=[self.keys.lease, self.keys.lease_token], args=args))
         except redis.ResponseError as e:
+            if not _fenced(e):  # any other reply is no word on who holds the run
+                raise
             raise _lost(e) from None
         if int(cast(Any, got)) == 2:
             log.warning("the learner's lease had lapsed (this process or Redis was frozen or cut off past "
@@ -199,10 +201,12 @@ class Leasing(Connection):
 
     def lease_holder(self) -> LeaseHolder | None:
         """Who holds the run now, with the lease's TTL (None: nobody); SchemaError (one line) on a malformed hash."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hgetall(self.keys.lease)
-        pipe.pttl(self.keys.lease)
-        h, pttl = self._do(pipe.execute)
+
+        def build(pipe: Any) -> None:
+            pipe.hgetall(self.keys.lease)
+            pipe.pttl(self.keys.lease)
+
+        h, pttl = self._batch(build, transaction=True)
         return LeaseHolder.from_hash(h, ttl_s=max(0, int(pttl)) / 1000) if h else None
 
     def fenced_call(self, script: Script, keys: list[str], args: list[Any], client: Any = None) -> Any:
@@ -217,7 +221,7 @@ class Leasing(Connection):
                 if text.startswith("GRPO_LAPSED") and attempt == 1 and self.holder is not None:
                     self.renew_lease()
                     continue
-                if text.startswith(("GRPO_FENCED", "GRPO_LAPSED")):
+                if _fenced(e):
                     raise _lost(e) from None
                 raise
         raise AssertionError("unreachable")
@@ -232,6 +236,12 @@ class Leasing(Connection):
                 keys.append(key)
             args += [len(rest), name, 0 if key is None else keys.index(key) + 1, *rest]
         self._fenced_write_script(keys, args)
+
+
+def _fenced(e: redis.ResponseError) -> bool:
+    """Whether a reply is the fence's (or the renewal's) refusal: another learner holds the run, or the lease lapsed.
+    Nothing else is, a Redis refusing commands for now least of all (those are waited out, Connection._do)."""
+    return str(e).startswith(("GRPO_FENCED", "GRPO_LAPSED"))
 
 
 def _lost(e: redis.ResponseError) -> LeaseLost:

@@ -3,9 +3,11 @@ identity, the durable counters and the accounting equation read from them (:func
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -22,6 +24,9 @@ from common.schemas import (
 from common.transport.admission import UNREAD
 from common.transport.connection import CONSUMER_GROUP, Connection, Lua
 from common.transport.lease import Leasing
+from common.transport.refusals import refusal
+
+log = logging.getLogger("common.transport")
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,28 @@ class Balance:
         )
 
 
+class WeightsChannel:
+    """One subscriber's ``weights`` channel (:meth:`RunReading.subscribe_weights`): ``get_message`` returns a wake-up
+    (redis-py's message dict) or None. A refusal that comes on its connection is no message: it is Redis's reply to
+    the PING with which redis-py checks an idle connection (refused while Redis is busy with a script or cannot
+    persist), and the subscription stands."""
+
+    def __init__(self, pubsub: redis.client.PubSub):
+        self._pubsub = pubsub
+
+    def get_message(self, timeout: float = 0.0) -> dict[str, Any] | None:
+        try:
+            return self._pubsub.get_message(timeout=timeout)
+        except redis.ResponseError as e:
+            if refusal(e) is None:
+                raise
+            log.debug("the weights channel's health check was refused for now: %s", e)
+            return None
+
+    def close(self) -> None:
+        self._pubsub.close()
+
+
 class RunReading(Connection):
     """What every role reads of the run's state: the announced weights, the done mark, the identity, the counters and
     the accounting equation."""
@@ -67,10 +94,24 @@ class RunReading(Connection):
         h = self._do(lambda: self.client.hgetall(self.keys.weights_latest))
         return WeightsAnnouncement.from_hash(h) if h else None
 
-    def subscribe_weights(self) -> redis.client.PubSub:
-        ps = self.client.pubsub(ignore_subscribe_messages=True)
-        ps.subscribe(self.keys.weights_channel)
-        return ps
+    def subscribe_weights(self) -> WeightsChannel:
+        """The ``weights`` channel, subscribed: the confirmation is read here, so that Redis refusing the SUBSCRIBE
+        for now (busy with a script) is waited out as any call is (:meth:`_do`), not met by a later read."""
+
+        def subscribe() -> WeightsChannel:
+            ps = self.client.pubsub()
+            try:
+                ps.subscribe(self.keys.weights_channel)
+                confirmed = ps.get_message(timeout=self._cfg.socket_timeout_s)
+                if confirmed is None or confirmed["type"] != "subscribe":
+                    raise redis.TimeoutError(f"SUBSCRIBE {self.keys.weights_channel}: no confirmation")
+            except BaseException:
+                ps.close()
+                raise
+            ps.ignore_subscribe_messages = True
+            return WeightsChannel(ps)
+
+        return self._do(subscribe)
 
     def is_done(self) -> bool:
         """Whether the learner marked the run finished. A run name is one run: an actor that starts (or restarts)
@@ -104,11 +145,13 @@ class RunReading(Connection):
     def balance(self) -> Balance:
         """The accounting equation's terms (:class:`Balance`), read in one transaction, so that the counters and the
         stream's length are of the same instant."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hgetall(self.keys.stats)
-        pipe.xlen(self.keys.groups)
-        self._unread_script(keys=[self.keys.groups], args=[CONSUMER_GROUP], client=pipe)
-        raw, xlen, unread = self._do(pipe.execute)
+
+        def build(pipe: Any) -> None:
+            pipe.hgetall(self.keys.stats)
+            pipe.xlen(self.keys.groups)
+            self._unread_script(keys=[self.keys.groups], args=[CONSUMER_GROUP], client=pipe)
+
+        raw, xlen, unread = self._batch(build, transaction=True)
         c = RunCounters.from_hash(raw)
         return Balance(
             produced=c.produced,
@@ -164,10 +207,12 @@ class RunAdmin(Connection):
     def started_signs(self) -> tuple[bool, int]:
         """Whether weights are announced (the learner has loaded its model) and how many groups actors have sent:
         one round trip, for a view of the run's start-up."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.exists(self.keys.weights_latest)
-        pipe.hget(self.keys.stats, PRODUCED)
-        announced, produced = self._do(pipe.execute)
+
+        def build(pipe: Any) -> None:
+            pipe.exists(self.keys.weights_latest)
+            pipe.hget(self.keys.stats, PRODUCED)
+
+        announced, produced = self._batch(build, transaction=False)
         return bool(announced), int(produced or 0)
 
     def run_seen(self) -> bool:

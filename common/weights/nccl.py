@@ -17,6 +17,13 @@ and then ``go`` (it broadcasts). Nobody enters the group's rendezvous or a broad
 be there: a slow or dead actor costs a cancelled round, not a collective that cannot complete (only a member that
 dies between its "ready" and the end of the broadcast leaves the others to time out).
 
+The payload is fenced too, not only the decision: once its broadcast is complete the learner announces the version
+in ``weights:latest`` (``format: nccl``, ``uri`` :func:`announcement_uri`, naming the round), a write behind its
+lease's fence, and a member takes the buckets it received into service only when it reads that announcement. A
+learner that lost the run after its "go" (frozen, cut off) may still deliver its bytes, but Redis refuses its
+announcement: the members drop what they received (the local engine never applied it; a SGLang server, which loads
+the buckets as they arrive, serves nothing until a whole announced version is loaded).
+
 Pure pieces (bucket plans, flattening) are tested on their own, and the round's wire form (:class:`Round`,
 :class:`Bucket`) with the wire package (common.schemas); :func:`open_group` is the one place that touches
 torch.distributed.
@@ -36,8 +43,15 @@ import torch
 # The round and its buckets travel between processes: their forms are the wire package's (imported from here too).
 from common.schemas import DTYPES, Bucket, Round
 
-__all__ = ["DTYPES", "Bucket", "Round", "abort_group", "assign_ranks", "close_group", "dtype_name", "flatten",
-           "open_group", "plan_buckets", "unflatten", "wait_for"]  # fmt: skip
+__all__ = ["DTYPES", "Bucket", "Round", "abort_group", "announcement_uri", "assign_ranks", "close_group", "dtype_name",
+           "flatten", "open_group", "plan_buckets", "unflatten", "wait_for"]  # fmt: skip
+
+
+def announcement_uri(rnd: Round) -> str:
+    """The ``uri`` of the announcement of a version sent in round ``rnd``: ``nccl://<address>/<group>/<round id>``.
+    A member takes what it received into service only when ``weights:latest`` names exactly this round (the round
+    id carries the learner's session, so a successor's announcement of the same version number never matches)."""
+    return f"nccl://{rnd.address}/{rnd.group}/{rnd.id}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

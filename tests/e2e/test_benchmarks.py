@@ -156,6 +156,18 @@ def test_b7_loads_weights_between_rounds_and_in_flight_on_the_same_workload() ->
         assert case[f"{k}_ratio"] == pytest.approx(after[k] / before[k]) if before[k] else case[f"{k}_ratio"] is None
 
 
+def test_the_in_flight_autocast_check_runs_the_engine_against_fresh_casts() -> None:
+    """The GPU check's script (scripts/gpu_in_flight.sh), on the CPU with the tiny preset: the local engine's answers
+    under autocast with a load mid-answer are the reference's, and the stale casts' are not."""
+    _, out = run_script(str(REPO / "benchmarks" / "in_flight_autocast.py"), "--preset", "tiny", "--device", "cpu",
+                        "--tokens", "48", "--load-at", "16", timeout=600)  # fmt: skip
+    keep, recompute = (json.loads(line) for line in out.strip().splitlines()[-2:])
+    assert (keep["in_flight_kv"], recompute["in_flight_kv"]) == ("keep", "recompute")
+    for r in (keep, recompute):
+        assert r["ok"] and r["tokens_same_as_fresh_casts"] and r["max_abs_logprob_diff_vs_fresh_casts"] <= 1e-4, r
+    assert keep["stale_casts_max_abs_diff"] > 1e-2, keep
+
+
 def test_b5_and_the_runner_write_one_report(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--only", "B4", "--out", str(out)]

@@ -11,6 +11,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -81,6 +82,7 @@ def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # typ
 
     learner = start("learner")
     actors = [start("actor"), start("actor")]
+    actor_ids = ["actor-1", "actor-2"]
     published_at_kill: list[int] = []
     took_over: list[float] = []
     produced_before_redis = -1
@@ -96,9 +98,13 @@ def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # typ
             took_over.append(_takeover(t, killed_at, lease, logs / f"learner-{started['learner']}.log"))
         elif what == "actor":
             i = started["actor"] % 2
+            # Killed while it holds a round's claim, so that its positions must be given back: an actor waiting for
+            # room in the stream holds none, and on a slow machine that wait can be where it spends most of its time.
+            wait_until(lambda i=i: _holds_claim(t, actor_ids[i]), 60, interval_s=0.02)
             actors[i].kill()
             assert actors[i].wait() == -signal.SIGKILL, _tail(logs)  # alive, through the Redis restart too
             actors[i] = start("actor")
+            actor_ids[i] = f"actor-{started['actor']}"
         else:
             produced_before_redis = t.stats()["groups_produced"]
             server.kill()
@@ -137,7 +143,21 @@ def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # typ
     assert b.trained == STEPS * BATCH, b.equation()  # a step's groups count once, however often it was retrained
     assert rows[-1]["groups_consumed"] == STEPS * BATCH
     assert b.dead == 0
+
+    # Every prompt position drawn is accounted for: sent (the groups above), filtered, discarded, skipped, held by a
+    # round, or waiting to be drawn again; the killed actors' positions were given back and drawn again, and no
+    # position was trained twice (each trained group's position marked once, as the learner acknowledged it).
+    pb = t.prompt_balance()
+    assert pb.unexplained == 0, pb.equation()
+    assert pb.counters.sent == b.produced, (pb.equation(), b.equation())
+    assert pb.counters.requeued.get("lost", 0) > 0 and pb.counters.redrawn > 0, pb.counters
+    assert pb.counters.trained == b.trained and pb.counters.retrained == 0, pb.counters
+    status = subprocess.run([sys.executable, "-m", "common.cli", "status", *args], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert status.returncode == 0 and "prompts drawn" in status.stdout, status.stdout + status.stderr
+    assert status.stdout.count("(balanced)") == 2, status.stdout
     print(b.equation(), b.dropped, "| learner resumed at steps", resumed, "| took the run over after (s)", took_over)
+    print(pb.equation(), "| given back", pb.counters.requeued, "drawn again", pb.counters.redrawn)
 
 
 def _takeover(t: Transport, killed_at: float, lease: LeaseHolder | None, log: Path) -> float:
@@ -150,6 +170,11 @@ def _takeover(t: Transport, killed_at: float, lease: LeaseHolder | None, log: Pa
     if "waiting for run" in log.read_text():
         assert new.since <= killed_at + lease.ttl_s + LEASE_TTL_S / 6 + 1.0, (new, killed_at, lease)
     return round(new.since - killed_at, 1)
+
+
+def _holds_claim(t: Transport, actor_id: str) -> bool:
+    """Whether a round of ``actor_id`` (holder ``<id>`` or ``<id>/<slot>``) holds prompt positions now."""
+    return any(h == actor_id or h.startswith(actor_id + "/") for h in t.prompt_balance().claims)
 
 
 def _tail(logs: Path) -> str:

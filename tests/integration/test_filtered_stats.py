@@ -52,8 +52,12 @@ def test_an_actor_counts_what_it_filters_in_redis_as_it_writes_each_round(
     assert wait_until(lambda: t.stats().get("groups_filtered:zero_std", 0) >= 6, 120), (
         tmp_path / "actor.log"
     ).read_text()
-    stats, totals = t.stats(), t.filtered_totals()  # the same script wrote both, whenever this reads them
-    assert totals.groups == stats["groups_filtered:zero_std"]
+    # The same script wrote both: read in one transaction they agree, whenever this reads them (read one after the
+    # other, the running actor's next round can land between the two reads).
+    pipe = t.client.pipeline(transaction=True)
+    stats_raw, filtered_raw = pipe.hgetall(t.keys.stats).hgetall(t.keys.filtered).execute()
+    totals = FilteredStats.from_fields({k.decode(): float(v) for k, v in filtered_raw.items()})
+    assert totals.groups == int(stats_raw[b"groups_filtered:zero_std"])
     assert totals.completions == 8 * totals.groups and totals.zero_std_groups == totals.groups
     # The groups sent carry no summary (the wire has no field for it): dropping one loses nothing.
     for _, f in t.client.xrange(t.keys.groups):
@@ -67,10 +71,13 @@ def test_an_actor_computes_the_overlong_penalty_once_filters_on_it_and_sends_it(
     whose completions' lengths differ inside the penalty's window carries a signal and is sent, and only the others
     are filtered. What a group carries is the penalty of its own lengths, which the learner adds as it is."""
     t = Transport(RedisConfig(url=redis_url), "it")
+    # No learner reads: the actor stops once the stream holds actor.max_stream_groups unread groups. At the default
+    # 16 it stopped, about one run in 150, before filtering two groups (a group is filtered with chance 5/16), and
+    # the wait below ran out: room for many more rounds, so that the actor goes on until both counts are reached.
     args = sim_actor(tiny_model_dir, tmp_path, redis_url, "actor.filter_zero_std=true",
                      "actor.max_consecutive_filtered=1000", "sampling.max_new_tokens=8", "sampling.group_size=2",
-                     "shaping.overlong_cache=4", "shaping.overlong_factor=0.5",
-                     "run.log_level=DEBUG")  # fmt: skip  # (once, in a fresh clone, it sent nothing in 120 s: say why)
+                     "shaping.overlong_cache=4", "shaping.overlong_factor=0.5", "actor.max_stream_groups=100000",
+                     "run.log_level=DEBUG")  # fmt: skip
     processes.grpo(*args, log=tmp_path / "actor.log")
     assert wait_until(lambda: t.stream_length() >= 4 and t.stats().get("groups_filtered:zero_std", 0) >= 2, 120), (
         tmp_path / "actor.log"

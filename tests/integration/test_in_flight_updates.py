@@ -2,11 +2,14 @@
 load path: a version announced mid-round is loaded between two decode steps, the answers' early tokens carry the old
 version and the rest the new one, and every behaviour log-prob is what the engine computed when it sampled the
 token: with the old weights before the load; after it, with the new weights attending to keys and values cached
-with the old ones (in_flight_kv keep) or recomputed with the new ones (recompute). The groups the actor sends say
-so on the wire, stamped with the newest version."""
+with the old ones (in_flight_kv keep) or recomputed with the new ones (recompute). Under bfloat16 autocast over
+float32 weights the same holds: the engine gives exactly the tokens and log-probs of an engine whose every cast is
+fresh (autocast caches its bfloat16 copies of the weights for a whole region, which a load mid-region must drop).
+The groups the actor sends say so on the wire, stamped with the newest version."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,10 +35,10 @@ PROMPTS = [[1, 5, 9, 4], [1, 7, 3]]
 LOAD_AT = 3  # the due() call that announces the new version: the load comes after that many steps
 
 
-def make_actor(model: Path, run_dir: Path, url: str, kv: str, name: str) -> Actor:
+def make_actor(model: Path, run_dir: Path, url: str, kv: str, name: str, autocast: str = "off") -> Actor:
     cfg = load_config(None, [f"model.path={model}", f"run.dir={run_dir}", f"redis.url={url}", f"run.name={name}",
                              "actor.weight_updates=in_flight", f"actor.in_flight_kv={kv}", "sampling.max_new_tokens=12",
-                             "sampling.temperature=1.0"])  # fmt: skip
+                             "sampling.temperature=1.0", f"actor.autocast={autocast}"])  # fmt: skip
     transport = Transport(cfg.redis, cfg.run.name)
     actor = Actor(cfg, "actor-f", transport, LocalEngine(cfg, seed=3), None, ActorMetrics(CollectorRegistry()))  # type: ignore[arg-type]
     actor._pubsub = transport.subscribe_weights()
@@ -125,6 +128,33 @@ def test_a_version_published_mid_round_takes_over_the_rest_of_each_answer(
     assert s.logprobs != pytest.approx(token_logprobs(old, prompt + s.token_ids, 0)[len(prompt) - 1 :], abs=1e-3)
 
 
+def sample_with_a_load_mid_round(model: Path, run_dir: Path, url: str, kv: str, name: str) -> list[list[Sample]]:
+    """The engine's samples (bfloat16 autocast, seed 3) of a round during which version 1 is announced."""
+    actor = make_actor(model, run_dir, url, kv, name, autocast="bfloat16")
+    pub = publish(changed_model(model), None, actor.cfg.weights.dir, 1, keep=2)
+    t = Transport(RedisConfig(url=url), name)
+    announce_on(actor, LOAD_AT, lambda: t.announce_weights(pub.announcement))
+    groups = actor.engine.generate(PROMPTS, 3)
+    assert actor.engine.version == 1 and any(len(s.versions) == 2 for g in groups for s in g)
+    return groups
+
+
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_under_autocast_a_load_mid_round_computes_with_fresh_casts_of_the_new_weights(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kv: str
+) -> None:
+    """Exactly the tokens and log-probs of an engine for which autocast caches nothing (every forward casts the
+    weights it holds then): a cached cast of the old weights would move every token after the load."""
+    groups = sample_with_a_load_mid_round(tiny_model_dir, tmp_path / "cached", redis_url, kv, f"ac-{kv}")
+    with monkeypatch.context() as m:
+        m.setattr(torch, "autocast", functools.partial(torch.autocast, cache_enabled=False))
+        fresh = sample_with_a_load_mid_round(tiny_model_dir, tmp_path / "fresh", redis_url, kv, f"acf-{kv}")
+    for ours, theirs in zip(groups, fresh, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            assert (a.token_ids, a.versions) == (b.token_ids, b.versions)
+            assert a.logprobs == b.logprobs  # the same casts of the same weights: bit for bit
+
+
 def test_the_actor_sends_each_answers_versions_and_stamps_its_group_with_the_newest(
     tiny_model_dir: Path, redis_url: str, tmp_path: Path
 ) -> None:
@@ -133,11 +163,12 @@ def test_the_actor_sends_each_answers_versions_and_stamps_its_group_with_the_new
     pub = publish(changed_model(tiny_model_dir), None, actor.cfg.weights.dir, 1, keep=2)
     t = Transport(RedisConfig(url=redis_url), "fl-wire")
     announce_on(actor, LOAD_AT, lambda: t.announce_weights(pub.announcement))
-    problems = actor.next_problems()[:2]
+    problems = actor.next_problems("actor-f").problems[:2]
     prompts = [actor._encode_prompt(p) for p in problems]
     samples = actor.engine.generate(prompts, actor.cfg.sampling.group_size)
-    payloads, _, _ = actor._filter_and_encode(problems, samples, [[0.0, 1.0] * 4] * len(problems))
-    for raw, group in zip(payloads, samples, strict=True):
+    out = actor.outgoing.encode(problems, samples, [[0.0, 1.0] * 4] * len(problems), prompt_ids=actor._encode_prompt,
+                                version_sampled=actor.version_sampled, epochs={})  # fmt: skip
+    for raw, group in zip(out.payloads, samples, strict=True):
         msg = decode_group(raw)
         newest = max(s.versions[-1][0] for s in group)
         assert msg.policy_version == newest

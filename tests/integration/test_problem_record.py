@@ -53,9 +53,9 @@ def test_a_record_key_of_another_type_makes_the_actor_draw_in_cursor_order(
     task = addition_task(20, seed=0)
     s = PromptSource(cfg, task, t, ActorMetrics(CollectorRegistry()))
     with caplog.at_level(logging.WARNING):
-        first = s.draw(4)
+        first = s.draw(4, "a").problems
         s.record(first, [[1.0, 0.0]] * 4)
-        second = s.draw(4)
+        second = s.draw(4, "b").problems  # (another round: the first one still holds its positions)
     assert [p.id for p in first + second] == [task.at(i).id for i in range(8)]
     assert sum("cannot be used" in r.message for r in caplog.records) == 1  # said once
     assert t.client.get(t.keys.prompts_record) == b"not a hash"  # and left as it was

@@ -3,7 +3,9 @@ order, retries, time-outs, a server that is down or answers garbage, and an acto
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -38,10 +40,17 @@ class _Server(ThreadingHTTPServer):
     block_on_close = True
 
 
+def scores_of(request: dict[str, Any]) -> bytes:
+    scores = [1.0 if it["completion"] == it["reference"] else 0.0 for it in request["items"]]
+    return json.dumps({"scores": scores}).encode()
+
+
 class Scorer:
     """A scorer: 1.0 when the completion equals the reference. ``script`` says what the next requests get instead,
-    in order: an HTTP status, "hang" (read the request, never answer), "garbage" (200 and not JSON) or "dribble"
-    (200, then a byte now and then); ``always`` the same for every request."""
+    in order: an HTTP status, "hang" (read the request, never answer), "garbage" (200 and not JSON), "dribble" (200,
+    then a byte of the body now and then), "trickle_status" or "trickle_headers" (the status line, or a header, a
+    byte every 0.1 s for 4 s, so that each read the grader makes returns well within its time-out; then the scores)
+    or "slow" (the scores after 0.4 s); ``always`` the same for every request."""
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -79,14 +88,20 @@ class Scorer:
                     scorer.released.wait(60)
                 elif reply == "dribble":
                     self._dribble()
+                elif reply in ("trickle_status", "trickle_headers"):
+                    self._trickle(request, headers=reply == "trickle_headers")
+                elif reply == "slow":
+                    scorer.released.wait(0.4)
+                    self._scores(request)
                 elif reply == "garbage":
                     self._send(200, b"<html>Bad gateway</html>")
                 elif isinstance(reply, int):
                     self._send(reply, b"scorer says no")
                 else:
-                    items = request["items"]
-                    scores = [1.0 if it["completion"] == it["reference"] else 0.0 for it in items]
-                    self._send(200, json.dumps({"scores": scores}).encode())
+                    self._scores(request)
+
+            def _scores(self, request: dict[str, Any]) -> None:
+                self._send(200, scores_of(request))
 
             def _send(self, status: int, body: bytes) -> None:
                 self.send_response(status)
@@ -104,6 +119,22 @@ class Scorer:
                         self.wfile.flush()
                 except OSError:  # the grader gave up and closed the connection
                     pass
+
+            def _trickle(self, request: dict[str, Any], headers: bool) -> None:
+                """The status line, or a header after it, a byte every 0.1 s for 4 s, then the rest of the answer."""
+                status = b"HTTP/1.1 200 " + b"K" * 27 + b"\r\n"  # a long reason phrase: 42 bytes
+                fast, slow = (status, b"X-Wait: " + b"." * 32 + b"\r\n") if headers else (b"", status)
+                body = scores_of(request)
+                try:
+                    self.wfile.write(fast)
+                    for i in range(len(slow)):
+                        if scorer.released.wait(0.1):
+                            return
+                        self.wfile.write(slow[i : i + 1])
+                    self.wfile.write(b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                except OSError:  # the grader gave up and closed the connection
+                    pass
+                self.close_connection = True
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -164,8 +195,10 @@ def test_garbage_is_service_invalid_and_not_retried(scorer: Scorer) -> None:
     assert len(scorer.requests) == 3
 
 
-@pytest.mark.parametrize("reply", ["hang", "dribble"])
+@pytest.mark.parametrize("reply", ["hang", "dribble", "trickle_status", "trickle_headers"])
 def test_a_scorer_that_never_finishes_answering_is_cut_at_the_time_limit(scorer: Scorer, reply: str) -> None:
+    """grader.timeout_s holds for a whole attempt, whatever part of the answer the scorer is slow to send: a status
+    line or header trickled a byte at a time (each read returning within the socket's time-out) is cut as a body is."""
     scorer.always = reply
     timeout_s, retries, backoff_s = 0.5, 2, 0.1
     t0 = time.monotonic()
@@ -177,6 +210,72 @@ def test_a_scorer_that_never_finishes_answering_is_cut_at_the_time_limit(scorer:
     assert len(scorer.requests) == 1 + retries
     least = timeout_s * (1 + retries) + backoff_s * (1 + 2)
     assert least <= took < least + 2.5, took
+
+
+def test_an_https_scorer_that_trickles_its_handshake_is_cut_at_the_time_limit() -> None:
+    """https:// takes its socket from the same bounded connect and watchdog: a server that sends the start of a TLS
+    record and then a byte every 0.1 s (each read returns in time, the handshake never completes) is cut."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(30)  # accept gives up, and the thread ends, should the grader never connect
+    released = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = server.accept()
+        with conn, contextlib.suppress(OSError):  # OSError: the grader gave up and closed the connection
+            conn.recv(4096)  # its ClientHello
+            conn.sendall(b"\x16\x03\x03\x40\x00")  # a handshake record of 16 KiB follows...
+            while not released.wait(0.1):
+                conn.sendall(b"\x02")
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    timeout_s = 0.5
+    try:
+        t0 = time.monotonic()
+        url = f"https://127.0.0.1:{server.getsockname()[1]}/score"
+        result = service(url, retries=0, timeout_s=timeout_s).grade(PAIRS[:2])
+        took = time.monotonic() - t0
+    finally:
+        released.set()
+        thread.join()
+        server.close()
+    assert result.scores == [0.0, 0.0] and result.errors == {"service_timeout": 2}
+    assert timeout_s <= took < timeout_s + 1.5, took
+
+
+def test_a_round_stops_at_its_budget_and_counts_the_batches_it_did_not_send(scorer: Scorer) -> None:
+    """A scorer that answers each batch well within grader.timeout_s, but so slowly that the round's batches take
+    longer than grader.round_budget_s: the batch in flight at the budget is cut (service_timeout), the rest are not
+    sent (service_budget), and the round ends at the budget."""
+    scorer.always = "slow"  # 0.4 s a batch: 7 batches would take 2.8 s
+    budget_s = 1.0
+    t0 = time.monotonic()
+    result = service(scorer.url, batch_size=1, timeout_s=2.0, round_budget_s=budget_s).grade(PAIRS)
+    took = time.monotonic() - t0
+    assert budget_s <= took < budget_s + 1.5, took
+    sent = len(scorer.requests)
+    assert 1 <= sent <= 3, sent  # each batch takes 0.4 s: a third could not be done by 1.0 s
+    assert result.errors.get("service_budget") == len(PAIRS) - sent, result.errors
+    assert set(result.errors) <= {"service_timeout", "service_budget"} and result.errors.get("service_timeout", 0) <= 1
+    scored = len(PAIRS) - sum(result.errors.values())
+    assert scored >= sent - 1 and result.scores == RIGHT[:scored] + [0.0] * (len(PAIRS) - scored)
+
+
+def test_by_default_a_round_has_each_batch_s_first_attempt_and_one_batch_s_retries(scorer: Scorer) -> None:
+    """grader.round_budget_s 0: (batches + retries) x timeout_s + one batch's backoffs. Against a scorer that never
+    answers, the first batches spend it on their retries and the last is not sent, where each batch would otherwise
+    have had its own retries (4 batches x 2 attempts x 0.4 s)."""
+    scorer.always = "hang"
+    timeout_s, retries, backoff_s = 0.4, 1, 0.05
+    grader = service(scorer.url, batch_size=2, timeout_s=timeout_s, retries=retries, retry_backoff_s=backoff_s)
+    budget_s = (4 + retries) * timeout_s + backoff_s  # 2.05 s: the third batch is in flight then, the fourth unsent
+    assert grader.round_budget(4) == pytest.approx(budget_s)
+    t0 = time.monotonic()
+    result = grader.grade(PAIRS)
+    took = time.monotonic() - t0
+    assert budget_s - backoff_s <= took < budget_s + 1.5, took  # a retry whose backoff passes the budget is not made
+    assert result.errors == {"service_timeout": 6, "service_budget": 1} and result.scores == [0.0] * len(PAIRS)
+    assert len(scorer.requests) <= 2 * 2 + 1
 
 
 def test_a_scorer_that_is_down_is_service_unreachable() -> None:

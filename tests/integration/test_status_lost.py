@@ -3,12 +3,16 @@ a real Redis, the real CLI, and a run directory with a checkpoint's ``state.json
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from common.config import RedisConfig
 from common.transport import Transport
@@ -71,3 +75,33 @@ def test_status_says_what_redis_no_longer_holds(redis_url: str, tmp_path: Path) 
     out = status(redis_url, run_dir)
     assert out.returncode == 1 and "Redis holds run r2 under this run.name, not run r1" in out.stdout, out.stdout
     t.close()
+
+
+def test_status_answers_at_once_when_redis_refuses_commands_for_now(redis_url: str, tmp_path: Path) -> None:
+    """A Redis busy with a script answers BUSY to everything else: the services wait that out (redis.full_wait_s,
+    600 s), an operator's question does not wait for it, it says so in one line."""
+    admin = redis.Redis.from_url(redis_url)
+    admin.config_set("lua-time-limit", 100)
+    spin = ("local t = redis.call('TIME') while true do local n = redis.call('TIME') "
+            "if (n[1] - t[1]) * 1000000 + n[2] - t[2] > tonumber(ARGV[1]) then return 1 end end")  # fmt: skip
+    busy = redis.Redis.from_url(redis_url, socket_timeout=60)
+
+    def run() -> None:
+        with contextlib.suppress(redis.ResponseError):  # "Script killed by user": the test's SCRIPT KILL
+            busy.eval(spin, 0, 20_000_000)
+
+    spinning = threading.Thread(target=run, daemon=True)
+    spinning.start()
+    try:
+        time.sleep(0.5)  # past lua-time-limit: Redis is BUSY
+        t0 = time.monotonic()
+        out = status(redis_url, tmp_path / "run")
+        took = time.monotonic() - t0
+        assert out.returncode != 0 and "busy" in out.stderr.lower(), out.stdout + out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert took < 15, took  # not the 600 s a service waits (the spin lasts 20 s)
+    finally:
+        admin.script_kill()
+        spinning.join(30)
+        busy.close()
+        admin.close()

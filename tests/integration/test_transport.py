@@ -22,7 +22,7 @@ def test_keys_live_under_the_run_hash_tag(redis_url: str) -> None:
     t = transport(redis_url, "my-run")
     t.ensure_consumer_group()
     t.produce([b"x"], {"groups_filtered:zero_std": 2})
-    t.next_prompts(3)
+    t.next_prompts(3, "a1", 5)
     t.record_outcomes([("p1", "m")], 4, {"taken:unseen": 1})
     t.heartbeat("a1", 5, {})
     t.announce_weights(WeightsAnnouncement(1, "/w/v1", "xxh3-128:" + "a" * 32))
@@ -41,7 +41,9 @@ def test_keys_live_under_the_run_hash_tag(redis_url: str) -> None:
         "grpo:{my-run}:nccl:round",
         "grpo:{my-run}:nccl:state",
         "grpo:{my-run}:prompts:choices",
+        "grpo:{my-run}:prompts:claims",
         "grpo:{my-run}:prompts:cursor",
+        "grpo:{my-run}:prompts:last",
         "grpo:{my-run}:prompts:record",
         "grpo:{my-run}:stats",
         "grpo:{my-run}:weights:latest",
@@ -161,8 +163,8 @@ def test_update_group_members_age_out_and_decisions_belong_to_one_round(redis_ur
 
 def test_two_actors_share_the_prompt_cursor(redis_url: str) -> None:
     a, b = transport(redis_url), transport(redis_url)
-    ranges = [a.next_prompts(4), b.next_prompts(4), a.next_prompts(2)]
-    assert [list(r) for r in ranges] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    ranges = [a.next_prompts(4, "a", 5), b.next_prompts(4, "b", 5), a.next_prompts(2, "a", 5, new_round=False)]
+    assert ranges == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
 def test_heartbeat_expires(redis_url: str) -> None:

@@ -1,8 +1,15 @@
 """actor.weight_updates in_flight against a real SGLang 0.5.23 server (launched by the engine, as an actor launches
 it): a version loaded while a request generates pauses it (in place, or retracted), updates the weights and continues
 it; the reply's ``weight_versions`` spans say which tokens each version produced, and the behaviour log-probs are
-the old model's before the update and the new one's after it (within the bf16 tolerance of test_real_server). The
-stand-in (tests/sglang_standin_pause.py) is held to the same replies in tests/integration/test_sglang_in_flight.py."""
+the old model's before the update and the new one's after it (within the bf16 tolerance of test_real_server), both as
+the learner computes them in float32 and under bfloat16 autocast (learner.autocast). The stand-in
+(tests/sglang_standin_pause.py) is held to the same replies in tests/integration/test_sglang_in_flight.py.
+
+The worst token: the server computes in bfloat16, and a few tokens' log-probs hang on its rounding (the learner's own
+float32 and bfloat16 computations of them differ by tenths of a nat, where most tokens' agree within hundredths). A
+fixed bound on the worst of ~800 tokens failed now and then on such a token alone (1.09 against 0.5, once); each
+token is held to the bound plus twice the spread of its own two computations, so a token that does not hang on
+rounding is held to the bound as before."""
 
 from __future__ import annotations
 
@@ -80,20 +87,28 @@ def test_an_update_mid_answer_is_served_from_the_next_token_on(
             break
     assert spanning, "no update landed mid-answer in 5 attempts"
     assert newest == str(version) and e.version == version
-    old_gaps, new_gaps, unchanged_gaps = [], [], []
+    old_gaps, new_gaps, unchanged_gaps, old_gaps16, new_gaps16, over = [], [], [], [], [], []
     for s in spanning:
         (v0, k), (v1, rest) = s.versions
         assert (v0, v1) == (version - 1, version) and k + rest == TOKENS
         # In place, the rest attends to the keys and values cached with the old weights; retracted, to recomputed ones.
-        ours = expected(before, after, prompt, s, "keep" if mode == "in_place" else "recompute")
+        kv = "keep" if mode == "in_place" else "recompute"
+        ours = expected(before, after, prompt, s, kv)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):  # as learner.autocast computes it
+            ours16 = expected(before, after, prompt, s, kv)
         old_gaps += gaps(ours[:k], s.logprobs[:k])
         new_gaps += gaps(ours[k:], s.logprobs[k:])
+        old_gaps16 += gaps(ours16[:k], s.logprobs[:k])
+        new_gaps16 += gaps(ours16[k:], s.logprobs[k:])
+        over += [g - SHARPER_MAX_TOL - 2 * d for g, d in zip(gaps(ours, s.logprobs), gaps(ours, ours16), strict=True)]
         unchanged_gaps += gaps(expected(before, before, prompt, s, "recompute")[k:], s.logprobs[k:])
     print(f"{mode}: {len(spanning)} answers span v{version - 1} and v{version} (attempt {attempt}); mean |Δ| before "
           f"{mean(old_gaps):.4f}, after {mean(new_gaps):.4f} (max {max(new_gaps):.3f}); had the old weights "
-          f"stayed: {mean(unchanged_gaps):.4f}")  # fmt: skip
-    for g in (old_gaps, new_gaps):
-        assert mean(g) < LOGPROB_MEAN_TOL and max(g) < SHARPER_MAX_TOL
+          f"stayed: {mean(unchanged_gaps):.4f}; under autocast before {mean(old_gaps16):.4f}, after "
+          f"{mean(new_gaps16):.4f}; the worst token {max(over):+.3f} from its bound")  # fmt: skip
+    for g in (old_gaps, new_gaps, old_gaps16, new_gaps16):
+        assert mean(g) < LOGPROB_MEAN_TOL
+    assert max(over) < 0, f"a token {max(over):.3f} past its bound"
     # The old weights' log-probs are ten times further off: the tolerance cannot pass them for the new ones'.
     assert mean(unchanged_gaps) > 10 * mean(new_gaps)
 

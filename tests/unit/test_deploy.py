@@ -72,6 +72,19 @@ def test_the_base_file_asks_for_no_gpu_and_the_override_adds_them() -> None:
     assert gpu["actor"]["healthcheck"]["start_period"] == "600s"  # the server loads the model first
 
 
+def test_the_roles_health_is_their_loops_liveness() -> None:
+    """Each role's healthcheck asks its /healthz, which fails once the loop stops beating (metrics.stall_after_s):
+    unhealthy within a minute of that, and not before the process has had its start (imports, model.path)."""
+    services = compose()["services"]
+    for role, port in (("learner", 9400), ("actor", 9401)):
+        check = services[role]["healthcheck"]
+        assert f"http://127.0.0.1:{port}/healthz" in " ".join(check["test"]), role
+        assert f"metrics.port={port}" in services[role]["command"]
+        interval = int(check["interval"].removesuffix("s"))
+        assert interval * check["retries"] <= 60, role  # the bound is /healthz's: the check only follows it
+        assert int(check["timeout"].removesuffix("s")) >= 5 and int(check["start_period"].removesuffix("s")) >= 120
+
+
 def test_services_password_persistence_and_health() -> None:
     c = compose()
     assert set(c["services"]) == {"redis", "demo-model", "learner", "actor", "prometheus", "grafana"}

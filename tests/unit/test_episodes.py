@@ -137,10 +137,21 @@ def test_versions_join_across_turns_and_environment_tokens_take_the_previous_ver
         def close(self) -> None: ...
 
     engine = Scripted({0: [[1, 2], [3]]}, version=None)
+    (group,), _ = Episodes(Env(), None).run(engine, [[0]], 1, version_now=lambda: 4)
+    # No turn reported versions, and every turn came from one: one run of it (whether the group needs it is the
+    # group's to say: tests/unit/test_group_message.py)
+    assert group[0].versions == ((4, 5),) and group[0].mask == (1, 1, 0, 0, 1)
+    # No turn reported versions, but the turns came from two (whole requests updated in flight: SGLang with a LoRA
+    # adapter): each turn's tokens carry its version, or the learner would age the first turn's as the newest
     versions = iter([4, 5])
+    engine = Scripted({0: [[1, 2], [3]]}, version=None)
     (group,), _ = Episodes(Env(), None).run(engine, [[0]], 1, version_now=lambda: next(versions))
-    # No turn reported versions: the sample says none (its group's policy version stands for all of it)
-    assert group[0].versions == () and group[0].mask == (1, 1, 0, 0, 1)
+    assert group[0].versions == ((4, 4), (5, 1)) and group[0].mask == (1, 1, 0, 0, 1)
+    # The same when each reply says its version (SGLang's weight_version) rather than the engine being asked
+    replies = iter([4, 5])
+    scripted = Scripted({0: [[1, 2], [3]]})
+    (group,), _ = Episodes(Env(), None).run(lambda c, n, g: (scripted(c, n, g)[0], next(replies)), [[0]], 1)
+    assert group[0].versions == ((4, 4), (5, 1))
     # Turns that report them (in-flight updates): joined, the environment's tokens the previous token's version
     engine = Scripted({0: [[1, 2], [3]]}, stamp=[4, 5])
     (group,), _ = Episodes(Env(), None).run(engine, [[0]], 1)

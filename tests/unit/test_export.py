@@ -1,6 +1,7 @@
 """`grpo export` (ops/export.py) in-process on the tiny model: a version of whole weights copied into a folder that
-plain transformers loads, a LoRA version merged into its base (found where base.json says, or given), and every
-refusal one line with exit code 2 that leaves no folder behind."""
+plain transformers loads, a LoRA version merged into its base (found where base.json says, or given), a run's newest
+version that a fenced-out learner wrote passed over, and every refusal one line with exit code 2 that leaves no folder
+behind."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from common.model.lora import base_identity, peft_config, wrap
 from common.weights import publish
+from learner.fencing import Marker, write_marker
 from ops.export import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -60,6 +62,35 @@ def test_whole_weights_are_copied_and_load_as_they_were(base, tmp_path: Path, ca
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1, err
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(("o1", "o2", "o3", ".o"))]
+
+
+def test_a_run_exports_its_newest_version_not_a_fenced_out_learners(base, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Learner 1 was frozen past its lease after v5; learner 2 took the run over (its marker: it found v5) and
+    published v6 and v7; learner 1 woke up and wrote v9 before it found it had lost the run. The run's policy is
+    learner 2's v7."""
+    tok, model = base
+    successor, stale = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():
+        successor.model.norm.weight.mul_(2.0)
+        stale.model.norm.weight.mul_(3.0)
+    checkpoints, weights = tmp_path / "run" / "checkpoints", tmp_path / "weights"
+    write_marker(checkpoints, Marker(1, 0, -1))
+    publish(model, tok, weights, 5, keep=5, token=1)
+    write_marker(checkpoints, Marker(2, 4, 5))
+    publish(successor, tok, weights, 7, keep=5, token=2)
+    publish(stale, tok, weights, 9, keep=5, token=1)
+    config = {"weights": {"dir": str(weights)}, "checkpoint": {"dir": str(checkpoints)}}
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    assert main([str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    assert "v000007" in capsys.readouterr().out
+    exported = (tmp_path / "out" / "model.safetensors").read_bytes()
+    assert exported == (weights / "v000007" / "model.safetensors").read_bytes()
+    # Asked for by number, it is refused in one line; its directory, given as such, is exported as it is.
+    assert main([str(tmp_path / "run"), str(tmp_path / "o1"), "--version", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "after another took the run over" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o1").exists()
+    assert main([str(weights / "v000009"), str(tmp_path / "o2")]) == 0
 
 
 def test_a_torn_version_is_not_exported(base, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -96,7 +96,8 @@ def test_the_roles_run_what_compose_runs() -> None:
         annotations = by_name(kind, name)["spec"]["template"]["metadata"]["annotations"]
         assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
                                "prometheus.io/path": "/metrics"}  # fmt: skip
-        assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert c["livenessProbe"]["httpGet"]["path"] == c["startupProbe"]["httpGet"]["path"] == "/healthz"
         # Every variable compose gives the roles is set here too (the password from a Secret).
         env = {e["name"] for e in c["env"]} | set(config_map())
         assert set(services[role]["environment"]) <= env, set(services[role]["environment"]) - env
@@ -122,6 +123,23 @@ def test_the_config_the_pods_name_loads_with_their_environment() -> None:
     assert cfg.redis.url == "redis://grpo-redis:6379/0" and cfg.run.name == "k8s" and cfg.metrics.host == "0.0.0.0"
     assert cfg.weights.dir == "/weights/k8s" and cfg.actor.engine == "sglang" and cfg.model.device == "cuda"
     assert by_name("Service", "grpo-redis")["spec"]["ports"][0]["port"] == 6379
+
+
+def test_the_probes_leave_the_bound_to_healthz() -> None:
+    """/healthz carries the bound (metrics.stall_after_s, or a step's own: the lease wait, a SGLang server's start),
+    so the liveness probe restarts a pod within minutes of it failing and never fails sooner itself: its requests
+    have time to be answered, and the startup probe holds it off until the process serves."""
+    cfg = load_config(REPO / "configs" / config_map()["GRPO_CONFIG"].removeprefix("configs/"), ["metrics.port=9400"],
+                      env={k: v for k, v in config_map().items() if k.startswith("GRPO_")})  # fmt: skip
+    for kind, name in (("StatefulSet", "grpo-learner"), ("Deployment", "grpo-actor")):
+        c = container(kind, name)
+        live, start, ready = c["livenessProbe"], c["startupProbe"], c["readinessProbe"]
+        assert "initialDelaySeconds" not in live  # the startup probe holds it off, however long the start takes
+        restart_after_s = live["periodSeconds"] * live["failureThreshold"]
+        assert restart_after_s <= 120 < cfg.metrics.stall_after_s, name  # the bound decides, the probe follows
+        assert start["periodSeconds"] * start["failureThreshold"] >= 3600, name  # imports, model.path fetched
+        for probe in (live, start, ready):  # the answer comes from the server's thread, on a busy machine
+            assert probe["timeoutSeconds"] >= 5 and probe["httpGet"]["port"] == "metrics", name
 
 
 def test_redis_keeps_its_data_and_demands_the_password() -> None:

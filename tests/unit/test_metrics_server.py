@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from actor.loop import Actor
+from common.liveness import Liveness
 from common.metrics import (
     ActorMetrics,
     AlarmKind,
@@ -54,6 +55,38 @@ def test_metrics_and_health_over_http() -> None:
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(health, timeout=5)
         assert e.value.code == 503
+        assert json.loads(e.value.read()) == {"ok": False, "role": "learner"}  # the body says why
+    finally:
+        server.close()
+
+
+def test_healthz_is_the_loops_liveness_and_readyz_its_start_over() -> None:
+    """A role serves its Liveness report: alive while starting (/healthz 200, /readyz 503), ready once the loop
+    works, and both 503 once it stalls."""
+    clock = [0.0]
+    liveness = Liveness(60.0, clock=lambda: clock[0], role="actor", id="a-1")
+    server = MetricsServer(CollectorRegistry(), "127.0.0.1", 0, liveness.report)
+
+    def code(path: str) -> tuple[int, dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(server.url.replace("/metrics", path), timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        liveness.beat("starting the engine", 900.0, starting=True)
+        clock[0] = 600.0  # a SGLang server still loading its model: within the start's own bound
+        assert code("/healthz")[0] == 200 and code("/readyz")[0] == 503
+        liveness.beat("sampling a round", version=3)
+        status, info = code("/readyz")
+        assert status == 200 and info["ok"] and info["ready"] and info["doing"] == "sampling a round"
+        assert info["role"] == "actor" and info["id"] == "a-1" and info["version"] == 3
+        clock[0] += 61.0
+        for path in ("/healthz", "/readyz"):
+            status, info = code(path)
+            assert status == 503 and not info["ok"] and info["quiet_s"] == 61.0 and info["stall_after_s"] == 60.0
+            assert "stuck_at" in info  # where the loop's thread is (here: this test's, serving the request)
     finally:
         server.close()
 
@@ -69,6 +102,20 @@ def test_the_start_line_says_where_it_listens() -> None:
             assert server.url == f"http://127.0.0.1:{port}/metrics"
         finally:
             server.close()
+
+
+def test_a_port_in_use_is_a_config_error_naming_the_field() -> None:
+    """Two processes on one machine given the same metrics.port (a second learner serves /healthz while it waits for
+    the run's lease): one line naming the field, exit 2, not a traceback."""
+    from common.config import ConfigError
+
+    first = MetricsServer(CollectorRegistry(), "127.0.0.1", 0)
+    try:
+        port = int(first.url.rsplit(":", 1)[1].split("/")[0])
+        with pytest.raises(ConfigError, match=rf"^config error: metrics.port: cannot listen on 127.0.0.1:{port} "):
+            MetricsServer(CollectorRegistry(), "127.0.0.1", port)
+    finally:
+        first.close()
 
 
 def test_two_roles_in_one_process_do_not_collide() -> None:
@@ -173,7 +220,8 @@ def test_a_long_backpressure_wait_is_counted_while_it_lasts() -> None:
     pubsub = SimpleNamespace(get_message=lambda timeout: time.sleep(0.05))
     never = SimpleNamespace(is_set=lambda: False, is_done=lambda: False)  # no stop request, the run goes on
     actor.__dict__.update(stop=never, transport=never, heartbeat=lambda: None, receiver=None, _pubsub=pubsub,
-                          metrics=metrics, engine=SimpleNamespace(failed=lambda: None))  # fmt: skip
+                          metrics=metrics, engine=SimpleNamespace(failed=lambda: None),
+                          liveness=Liveness(60.0))  # fmt: skip
     seen: list[float] = []
 
     def blocked() -> bool:  # still waiting: what has the counter said so far?

@@ -59,6 +59,27 @@ def test_rounds_travel_as_json_and_ranks_follow_the_learner() -> None:
     assert Round.from_json(rnd.to_json()) == rnd
 
 
+def test_a_member_takes_only_the_announcement_of_its_own_round() -> None:
+    """What a member received is served once weights:latest announces exactly its round: the version, over NCCL, with
+    the uri naming the round (its learner's session and sequence number); a successor's announcement of the same
+    version number, from disk or from its own round, is not it."""
+    from actor.nccl_weights import announces
+    from common.schemas import WeightsAnnouncement
+    from common.weights.nccl import announcement_uri
+
+    rnd = Round("s1", 3, 7, "grpo-x-s1-1", "10.0.0.1", 29500, 2, "nccl", {"a": 1})
+    digest = "xxh3-128:" + "0" * 32
+    ours = WeightsAnnouncement(7, announcement_uri(rnd), digest, format="nccl")
+    assert ours.uri == "nccl://10.0.0.1/grpo-x-s1-1/s1:3" and announces(ours, rnd)
+    successor = Round("s2", 1, 7, "grpo-x-s2-1", "10.0.0.1", 29501, 2, "nccl", {"a": 1})
+    assert not announces(WeightsAnnouncement(7, announcement_uri(successor), digest, format="nccl"), rnd)
+    assert not announces(WeightsAnnouncement(7, "/weights/v000007", digest), rnd)
+    assert not announces(WeightsAnnouncement(8, announcement_uri(rnd), digest, format="nccl"), rnd)
+    later = Round("s1", 4, 7, "grpo-x-s1-1", "10.0.0.1", 29500, 2, "nccl", {"a": 1})  # (never: one round a version)
+    assert not announces(WeightsAnnouncement(7, announcement_uri(later), digest, format="nccl"), rnd)
+    assert not announces(None, rnd)
+
+
 def _sglang_file(*parts: str) -> Path:
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
@@ -108,6 +129,8 @@ def test_update_group_requests_carry_the_fields_sglang_declares() -> None:
     rnd = Round("s", 1, 4, "g", "127.0.0.1", 1234, 2, "gloo", {"me": 1}, plan_buckets(tensors(), 64))
     engine.join_group(rnd, 1, 5.0)
     engine.receive(rnd, 5.0)
+    assert engine.version == -1  # the server holds them, unannounced: nothing is sampled with them yet
+    engine.commit(rnd)  # the round's announcement read
     engine.leave_group("g")
     structs = {
         "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",

@@ -37,9 +37,9 @@ class Record:
         self.histories: dict[str, str] = {}
         self.choices: Counter[str] = Counter()
 
-    def next_prompts(self, k: int) -> range:
+    def next_prompts(self, k: int) -> list[int]:
         self.cursor += k
-        return range(self.cursor - k, self.cursor)
+        return list(range(self.cursor - k, self.cursor))
 
     def histories_of(self, ids: Sequence[str], window: int) -> list[str]:
         return [self.histories.get(i, "")[-window:] for i in ids]
@@ -56,7 +56,7 @@ class ActorSide:
     def __init__(self, record: Record):
         self.record = record
 
-    def next_prompts(self, k: int) -> range:
+    def next_prompts(self, k: int, holder: str, lease_s: float, *, new_round: bool = True) -> list[int]:
         return self.record.next_prompts(k)
 
     def histories(self, ids: Sequence[str], window: int) -> list[str]:
@@ -113,14 +113,14 @@ def test_choose_takes_the_unseen_and_informative_and_passes_the_saturated_at_the
 def test_cursor_sampling_is_todays_order_exactly() -> None:
     task, record = addition_task(20, seed=3), Record()
     record.histories = {p.id: "rrrr" for p in task.train}  # a record, if there were one, changes nothing
-    drawn = [p.id for _ in range(30) for p in source(record, task, "cursor").draw(8)]
+    drawn = [p.id for _ in range(30) for p in source(record, task, "cursor").draw(8, "a").problems]
     assert drawn == [task.at(i).id for i in range(240)]
     assert record.choices == Counter()
 
 
 def test_with_an_empty_record_difficulty_sampling_is_the_cursors_order() -> None:
     task, record = addition_task(20, seed=3), Record()
-    assert [p.id for p in source(record, task).draw(16)] == [task.at(i).id for i in range(16)]
+    assert [p.id for p in source(record, task).draw(16, "a").problems] == [task.at(i).id for i in range(16)]
 
 
 def simulate(task: Task, sampling: str, informative: set[str], rounds: int, actors: int = 2) -> tuple[Record, list]:
@@ -131,7 +131,7 @@ def simulate(task: Task, sampling: str, informative: set[str], rounds: int, acto
     drawn = []
     for i in range(rounds):
         s = sources[i % actors]
-        problems = s.draw(8)
+        problems = s.draw(8, "a").problems
         s.record(problems, [[1.0, 0.0] if p.id in informative else [0.0, 0.0] for p in problems])
         drawn.append([p.id for p in problems])
     return record, drawn
@@ -166,7 +166,7 @@ def test_a_problem_the_model_forgets_comes_back() -> None:
     s = source(record, task)
     seen = []
     for _ in range(60):  # rounds of 8: until the forgotten one is drawn at the floor and found informative
-        problems = s.draw(8)
+        problems = s.draw(8, "a").problems
         s.record(problems, [[1.0, 0.0] if p.id == forgotten else [1.0, 1.0] for p in problems])
         seen += [p.id for p in problems]
     assert record.histories[forgotten].count("m") >= 1
@@ -192,7 +192,7 @@ def test_a_round_is_whole_even_when_every_problem_sits_at_the_floor() -> None:
     record = Record()
     record.histories = {f"p{i}": "wwww" for i in range(10)}
     s = source(record, task, difficulty_floor=0.01)
-    assert len(s.draw(8)) == 8
+    assert len(s.draw(8, "a").problems) == 8
     assert record.cursor <= position_cap(8, 0.01)
     assert position_cap(1, 0.1) == 220  # what keeps a short round's chance of falling short under 1e-6
 
@@ -200,6 +200,6 @@ def test_a_round_is_whole_even_when_every_problem_sits_at_the_floor() -> None:
 def test_a_round_larger_than_the_training_set_repeats_problems_as_the_cursor_does() -> None:
     task = Task("t", [Problem(f"p{i}", f"{i}", "0") for i in range(3)], [], seed=0)
     record = Record()
-    drawn = source(record, task).draw(8)
+    drawn = source(record, task).draw(8, "a").problems
     assert len(drawn) == 8 and {p.id for p in drawn} == {"p0", "p1", "p2"}
     assert record.cursor == 8  # every problem unseen: eight positions, no detour

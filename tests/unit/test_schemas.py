@@ -68,7 +68,7 @@ def test_round_trip_preserves_everything() -> None:
 def test_arrays_travel_as_little_endian_bytes_with_a_dtype_and_completions_as_columns() -> None:
     msg = make_group()
     d = body(msg)
-    assert d["v"] == SCHEMA_VERSION == 5 and d["type"] == "group"
+    assert d["v"] == SCHEMA_VERSION == 6 and d["type"] == "group"
     c = d["completions"]
     assert set(c) == {"lengths", "token_ids", "logprobs", "rewards", "finish_reasons"}
     assert all(
@@ -169,6 +169,18 @@ def test_tokens_of_several_versions_travel_as_runs_and_a_single_version_sends_no
     assert decode_group(encode_group(make_group(completions=same))).columns.runs is None
 
 
+def test_a_group_carries_its_prompt_position_from_version_6_on() -> None:
+    back = decode_group(encode_group(make_group(position=41)))
+    assert back.position == 41 and decode_group(encode_group(make_group())).position is None
+    d = body(make_group(position=41))
+    assert d["position"] == 41
+    d["v"] = 5  # version 5 had none
+    with pytest.raises(SchemaError, match="unknown keys"):
+        decode_group(msgpack.packb(d, use_bin_type=True))
+    del d["position"]
+    assert decode_group(msgpack.packb(d, use_bin_type=True)).position is None
+
+
 def test_version_3_groups_without_runs_are_still_read() -> None:
     d = body(make_group())
     d["v"] = 3
@@ -224,7 +236,9 @@ _LP = [-0.1] * 12
 
 # (field path, a value it must not have, what the error says): each one is a message that must be dead-lettered.
 REJECTIONS = [
-    ("v", 6, "unsupported schema version"),
+    ("v", 7, "unsupported schema version"),
+    ("position", -1, "position: -1 outside"),
+    ("position", "3", "position: expected an integer"),
     ("v", "5", "unsupported schema version"),
     ("type", "weights", "expected 'group'"),
     ("extra", 1, "unknown keys"),

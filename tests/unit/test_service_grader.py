@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import threading
+import time
 import typing
+from typing import Any
 
 import pytest
 
@@ -85,13 +89,14 @@ def test_a_bug_is_not_counted_as_a_service_failure() -> None:
 
 def test_the_service_kinds_are_labels_of_the_grader_errors_counter() -> None:
     kinds = set(typing.get_args(GraderErrorKind))
-    assert {"service_timeout", "service_unreachable", "service_http", "service_invalid", "invalid"} <= kinds
+    service = {"service_timeout", "service_unreachable", "service_http", "service_invalid", "service_budget"}
+    assert service | {"invalid"} <= kinds
 
 
 def test_the_service_keys_of_the_config() -> None:
     cfg = load_config(overrides=["grader.name=service", "grader.url=http://judge:8000/score?v=1"], env={}).grader
-    assert (cfg.url, cfg.batch_size, cfg.retries, cfg.retry_backoff_s, cfg.timeout_s) == (
-        "http://judge:8000/score?v=1", 16, 2, 0.5, 5.0
+    assert (cfg.url, cfg.batch_size, cfg.retries, cfg.retry_backoff_s, cfg.timeout_s, cfg.round_budget_s) == (
+        "http://judge:8000/score?v=1", 16, 2, 0.5, 5.0, 0.0
     )  # fmt: skip
     with open_grader(cfg) as grader:
         assert isinstance(grader, ServiceGrader) and grader.name == "service"
@@ -109,10 +114,12 @@ def test_the_service_keys_of_the_config() -> None:
         (["grader.name=service", "grader.url=http://j/", "grader.batch_size=0"], r"grader\.batch_size"),
         (["grader.name=service", "grader.url=http://j/", "grader.retries=-1"], r"grader\.retries"),
         (["grader.name=service", "grader.url=http://j/", "grader.retry_backoff_s=-1"], r"grader\.retry_backoff_s"),
+        (["grader.name=service", "grader.url=http://j/", "grader.round_budget_s=-1"], r"grader\.round_budget_s"),
         (["grader.name=gsm8k", "grader.url=http://j/"], r"grader\.url: only used with grader\.name=service"),
         (["grader.batch_size=4"], r"grader\.batch_size: only used with grader\.name=service"),
         (["grader.retries=5"], r"grader\.retries: only used with grader\.name=service"),
         (["grader.name=exact", "grader.retry_backoff_s=2"], r"grader\.retry_backoff_s: only used with"),
+        (["grader.round_budget_s=60"], r"grader\.round_budget_s: only used with grader\.name=service"),
         (["grader.name=combine", "grader.components=[{name: service}]"], r"grader\.components\.0\.name"),
     ],
 )
@@ -123,10 +130,46 @@ def test_service_options_are_checked_in_the_config(overrides: list[str], message
 
 def test_a_resolved_config_with_every_key_written_out_loads_again() -> None:
     """config.json holds every key at its value: the service keys at their defaults do not trip other graders."""
-    for overrides in ([], ["grader.name=service", "grader.url=https://judge.example/v1/score", "grader.retries=0"]):
+    service = ["grader.name=service", "grader.url=https://judge.example/v1/score", "grader.retries=0"]
+    for overrides in ([], service, [*service, "grader.round_budget_s=120"]):
         cfg = load_config(overrides=overrides, env={})
         grader = cfg.grader.model_dump()
         assert type(cfg.grader).model_validate(grader) == cfg.grader
+
+
+def test_a_resolver_that_never_answers_costs_each_attempt_its_time_limit_and_no_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """getaddrinfo takes no time-out: a lookup that hangs is waited on for the attempt's time alone, and the retry
+    waits on the same lookup rather than starting another (a hung resolver holds one thread per host)."""
+    release = threading.Event()
+    asked: list[str] = []
+
+    def hung(host: str, *args: Any, **kw: Any) -> Any:
+        asked.append(host)
+        release.wait(5)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", hung)
+    timeout_s, backoff_s = 0.3, 0.05
+    grader = ServiceGrader("http://judge.example:8000/score", timeout_s=timeout_s, retries=1, retry_backoff_s=backoff_s)
+    t0 = time.monotonic()
+    try:
+        result = grader.grade([("1", "1"), ("2", "3")])
+    finally:
+        release.set()
+    took = time.monotonic() - t0
+    assert result.scores == [0.0, 0.0] and result.errors == {"service_timeout": 2}
+    least = 2 * timeout_s + backoff_s
+    assert least - 0.05 <= took < least + 1.5, took
+    assert asked == ["judge.example"]
+
+
+def test_a_round_s_budget_is_its_setting_or_each_batch_s_first_attempt_and_one_batch_s_retries() -> None:
+    grader = ServiceGrader("http://judge/", timeout_s=5.0, retries=2, retry_backoff_s=0.5)
+    assert grader.round_budget(1) == 5.0 * 3 + 0.5 + 1.0  # one batch: all its attempts and backoffs, as before
+    assert grader.round_budget(8) == 5.0 * (8 + 2) + 0.5 + 1.0
+    assert ServiceGrader("http://judge/", round_budget_s=30.0).round_budget(8) == 30.0
 
 
 class _Tok:

@@ -149,8 +149,15 @@ def test_the_scripts_count_only_what_the_counters_form_reads() -> None:
     and a script's dead letter has exactly the dead-letter form's fields."""
     lua = _lua_scripts()
     named = set(re.findall(r"HINCRBY', KEYS\[2\], '([a-z_:]+)'", lua))
-    assert named == {"groups_produced", "groups_trained", "groups_dead", "groups_replayed"}, named
-    assert RunCounters.from_hash({n: 1 for n in named}).other == {}
+    assert named == {"groups_produced", "groups_trained", "groups_dead", "groups_replayed", "prompts_trained",
+                     "prompts_retrained"}, named  # fmt: skip
+    # The prompt scripts' counters (stats is their KEYS[4], or the requeue function's argument), by name or reason
+    named |= set(re.findall(r"HINCRBY', (?:KEYS\[4\]|stats), '([a-z_:]+)'", lua))
+    named = {n for n in named if not n.endswith(":")}  # ('prompts_requeued:' .. why, the reasons below)
+    named |= {"prompts_requeued:" + why for why in re.findall(r"requeue\([^,]+, '([a-z_]+)'", lua)}
+    assert {"prompts_drawn", "prompts_redrawn", "prompts_requeued:lost", "prompts_requeued:released"} <= named
+    read = RunCounters.from_hash({n: 1 for n in named})
+    assert read.other == {} and read.to_hash() == {n: 1 for n in named}  # every one read, none lost on the way
     writes = re.findall(r"'XADD', KEYS\[3\], 'MAXLEN', '~', ARGV\[6\], '\*',(.*?)\)\n", lua, re.S)
     assert len(writes) == 2, writes  # the learner's dead-lettering and the delivery's of an oversized entry
     for w in writes:

@@ -17,6 +17,7 @@ import pytest
 from pydantic import SecretStr
 
 from common.config import Config, ConfigError
+from common.transport import LeaseLost
 from learner.trackers import TensorBoard, Trackers, check_trackers, open_trackers
 from tests.conftest import REPO
 from tests.tracker_files import (
@@ -138,6 +139,28 @@ def test_a_failing_tracker_warns_once_and_the_others_go_on(caplog: pytest.LogCap
     [warning] = caplog.messages
     assert "tracker full failed at step 2" in warning and "No space left on device" in warning
     assert "training goes on and metrics.jsonl has every row" in warning
+
+
+class Fenced(Recorder):
+    """A tracker's call during which the learner's lease thread found the run lost (it raises LeaseLost in the
+    training loop wherever that is: here, inside the tracker's library)."""
+
+    name = "fenced"
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        if step >= 1:
+            raise LeaseLost("this learner no longer holds the run (the run is held by lease token 2)")
+        super().log(values, step)
+
+
+def test_a_lost_lease_inside_a_tracker_stops_the_learner(caplog: pytest.LogCaptureFixture) -> None:
+    fenced, recorder = Fenced(), Recorder()
+    trackers = Trackers([recorder, fenced])
+    trackers.log({"step": 0, "reward": 0.5})
+    with caplog.at_level(logging.WARNING, "learner"), pytest.raises(LeaseLost, match="lease token 2"):
+        trackers.log({"step": 1, "reward": 0.5})
+    assert not caplog.messages  # not a tracker's failure, reported and left behind: the learner stops (exit 5)
+    assert trackers.names == ["recorder", "fenced"]
 
 
 def test_a_full_disk_under_tensorboard_is_one_warning_and_the_rows_go_on(tmp_path: Path) -> None:

@@ -1,0 +1,60 @@
+"""An actor frozen past its lease, for real: a `grpo learner` and two `grpo actor` processes on a real redis-server.
+The test SIGSTOPs one actor while it holds a claim on the prompt positions of the round it samples, waits until the
+other actor's draw has given those positions back and taken them, and wakes it.
+
+Then: the woken actor's round is refused whole and discarded, counted (``groups_discarded:claim_lost``), instead of
+repeating prompts another actor sampled; it goes on sampling; the run finishes every step; the groups' and the
+prompts' equations balance, and no position was trained twice."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from common.config import RedisConfig
+from common.procs import wait_until
+from common.transport import Transport, read_balance
+from tests.faults.runs import run_settings
+from tests.faults.test_faults import _tail
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
+STEPS = 16
+BATCH = 4
+
+
+def test_an_actor_frozen_past_its_lease_loses_its_round_not_its_prompts(demo_model_dir: Path, redis_url: str,
+                                                                         tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    # Zero-std groups sent too: every round sends groups, so that the refused round is one with groups in it.
+    args = run_settings(redis_url, demo_model_dir, run_dir, "frozen-actor", STEPS, BATCH, "checkpoint.every=2",
+                        "actor.filter_zero_std=false", "learner.min_step_s=0.5")  # fmt: skip
+    t = Transport(RedisConfig(url=redis_url), "frozen-actor")
+    learner = processes.grpo("learner", *args, log=logs / "learner.log")
+    frozen = processes.grpo("actor", *args, "-o", "actor.id=frozen", log=logs / "frozen.log")
+    other = processes.grpo("actor", *args, "-o", "actor.id=other", log=logs / "other.log")
+
+    def lost() -> int:
+        return t.prompt_balance().counters.requeued.get("lost", 0)
+
+    assert wait_until(lambda: (a := t.latest_weights()) is not None and a.version >= 2, 240), _tail(logs)
+    assert wait_until(lambda: "frozen" in t.prompt_balance().claims, 60, interval_s=0.01), _tail(logs)
+    frozen.send_signal(signal.SIGSTOP)  # holding a claim: its round is being sampled
+    try:
+        # Past its lease (run.heartbeat_ttl_s), the other actor's next draw gives its positions back and takes them.
+        assert wait_until(lambda: lost() > 0, 120), _tail(logs)
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    assert learner.wait(timeout=300) == 0, _tail(logs)
+    assert frozen.wait(timeout=60) == 0 and other.wait(timeout=60) == 0, _tail(logs)
+
+    text = (logs / "frozen.log").read_text()
+    assert "other actors draw its prompts again" in text and "Traceback" not in text, text[-3000:]
+    b, pb = read_balance(t), t.prompt_balance()
+    assert b.discarded.get("claim_lost", 0) > 0, b.discarded
+    assert b.unexplained == 0 and b.trained == STEPS * BATCH, b.equation()
+    assert pb.unexplained == 0 and pb.counters.redrawn >= lost() > 0, pb.equation()
+    assert pb.counters.trained == b.trained and pb.counters.retrained == 0, pb.counters
