@@ -55,17 +55,27 @@ def changed_model(model_dir: Path) -> Any:
 
 
 def announce_on(actor: Actor, call: int, announce: Callable[[], None]) -> None:
-    """The learner publishes while the round is sampled: at the ``call``-th time the engine asks."""
-    assert actor.updates is not None
-    real, calls = actor.updates.due, [0]
+    """The learner publishes while the round is sampled: at the ``call``-th time the engine asks. The call waits
+    until the announcement has reached the actor's subscription: Redis may answer the publisher before the message
+    is on the subscriber's socket, so an engine asking at once could find nothing yet on a busy machine and load a
+    step or two later (right either way for the actor; the test pins the step)."""
+    updates = actor.updates
+    assert updates is not None
+    real, calls = updates.due, [0]
 
     def due() -> bool:
         calls[0] += 1
-        if calls[0] == call:
-            announce()
-        return real()
+        if calls[0] != call:
+            return real()
+        announce()
+        woken = updates.woken
+        updates.woken = lambda: actor._pubsub.get_message(timeout=10.0) is not None  # this once, it waits
+        try:
+            return real()
+        finally:
+            updates.woken = woken
 
-    actor.updates.due = due  # type: ignore[method-assign]
+    updates.due = due  # type: ignore[method-assign]
 
 
 def token_logprobs(model: Any, ids: list[int], start: int, past: Any = None, temperature: float = 1.0) -> list[float]:
