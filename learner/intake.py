@@ -22,7 +22,15 @@ import redis
 from common.config import Config
 from common.metrics import LearnerMetrics
 from common.model.limits import message_byte_limit
-from common.schemas import DropReason, FilteredStats, GroupMessage, SchemaError, decode_group, encode_group
+from common.schemas import (
+    Completions,
+    DropReason,
+    FilteredStats,
+    GroupMessage,
+    SchemaError,
+    decode_group,
+    encode_group,
+)
 from common.transport import Delivery, LearnerTransport, ReadLimits, StreamEntry
 from learner.distributed import Ranks
 from learner.identity import RunClaim
@@ -71,13 +79,13 @@ class Intake:
             batch = self._collect(p)
             sent = None if batch is None else {"ids": batch.ids, "wait_s": batch.wait_s,
                                                 "filtered": batch.filtered.fields(),
-                                                "groups": [encode_group(g) for g in batch.groups]}  # fmt: skip
+                                                "groups": [to_ranks(g) for g in batch.groups]}  # fmt: skip
             self.ranks.broadcast(sent)
             return batch
         got = self.ranks.broadcast()
         if got is None:
             return None
-        groups = [decode_group(g) for g in got["groups"]]
+        groups = [from_rank0(g) for g in got["groups"]]
         return Collected(got["ids"], groups, got["wait_s"], FilteredStats.from_fields(got["filtered"]))
 
     def _collect(self, p: Progress) -> Collected | None:
@@ -214,3 +222,20 @@ class Intake:
         version its weights have in this epoch's numbering, so that it counts learner steps."""
         version = p.version - p.lineage.age(msg.policy_version, msg.epoch, p.step)[1]
         return msg if version == msg.policy_version else replace(msg, policy_version=version)
+
+
+def to_ranks(msg: GroupMessage) -> tuple[bytes, int]:
+    """A batch's group as rank 0 sends it to the other ranks: its wire bytes as the actor numbered it and the
+    version :meth:`Intake.aligned` gave it. A group of an earlier epoch is renumbered, but its version runs stay in
+    the actor's numbering (the learner ages its tokens relative to the newest run), and the wire holds the newest
+    run to the group's version: sent renumbered, every other rank would refuse it."""
+    runs = Completions.of(msg.completions).runs
+    sent = msg if runs is None or runs.newest() == msg.policy_version else replace(msg, policy_version=runs.newest())
+    return encode_group(sent), msg.policy_version
+
+
+def from_rank0(got: Any) -> GroupMessage:
+    """What :func:`to_ranks` sent, the group as rank 0 trains on it."""
+    body, version = got
+    msg = decode_group(body)
+    return msg if msg.policy_version == version else replace(msg, policy_version=int(version))
