@@ -60,7 +60,7 @@ def main(argv: Sequence[str]) -> int:
 def locate(source: Path, version: int | None) -> Path:
     """The version directory that ``source`` names (see the module's docstring)."""
     from common.weights import newest_on_disk, version_dir, version_token
-    from learner.fencing import superseded_versions
+    from learner.fencing import holders_dir, superseded_versions
 
     if (source / "digest").is_file():
         if version is not None:
@@ -79,6 +79,12 @@ def locate(source: Path, version: int | None) -> Path:
     chosen = version if version is not None else newest_on_disk(weights, superseded)
     if chosen < 0 or not version_dir(weights, chosen).is_dir():
         raise ExportError(f"{weights}: no version {chosen if version is not None else ''} on disk".replace("  ", " "))
+    if version_token(version_dir(weights, chosen)) and not holders_dir(checkpoints).is_dir():
+        # Written under a lease, but the holders' markers are not where the config says (a run directory copied
+        # without its checkpoints, or exported from elsewhere): a fenced-out learner's version cannot be told apart.
+        raise ExportError(f"{holders_dir(checkpoints)} not found: cannot tell whether a learner fenced out of the run "
+                          "wrote the newest versions; export from where the run's checkpoint.dir resolves, or give "
+                          "a version's directory")  # fmt: skip
     if superseded(version_token(version_dir(weights, chosen)), chosen):
         where = version_dir(weights, chosen)
         raise ExportError(f"{where} was written by a learner after another took the run over (fenced out): not "

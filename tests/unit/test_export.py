@@ -91,6 +91,13 @@ def test_a_run_exports_its_newest_version_not_a_fenced_out_learners(base, tmp_pa
     assert "after another took the run over" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o1").exists()
     assert main([str(weights / "v000009"), str(tmp_path / "o2")]) == 0
+    # The run's config naming checkpoints that are not there (copied without them): refused, not a guess.
+    config["checkpoint"] = {"dir": str(tmp_path / "elsewhere")}
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    assert main([str(tmp_path / "run"), str(tmp_path / "o3")]) == 2
+    err = capsys.readouterr().err
+    assert "holders not found" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o3").exists()
 
 
 def test_a_torn_version_is_not_exported(base, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
