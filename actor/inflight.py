@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actor.engine_protocol import Engine
+from actor.unannounced import UnannouncedWeights
 from common.config import Config
 from common.model.generation import Sample
 from common.tasks import Problem
@@ -39,6 +40,7 @@ class Round:
     samples: list[list[Sample]] = field(default_factory=list)
     positions: list[int] | None = None  # each problem's prompt position (common.transport.prompts)
     unsampled: dict[str, int] = field(default_factory=dict)  # counts of the positions drawn and not sampled
+    refused: str = ""  # why its samples cannot be sent (actor.unannounced), or ''
 
 
 def rounds_in_flight(cfg: Config, engine: Engine) -> int:
@@ -80,7 +82,10 @@ class InFlight:
     def start(self, holder: str, problems: list[Problem], prompts: list[list[int]], group: int) -> Round:
         rnd = Round(holder, problems, version=self.engine.version)
         if self._pool is None:  # one round at a time: generated here and now
-            rnd.samples = self._generate(prompts, group)[0]
+            try:
+                rnd.samples = self._generate(prompts, group)[0]
+            except UnannouncedWeights as e:
+                rnd.refused = str(e)
             rnd.version = self.engine.version  # a SGLang engine may learn from its reply what its server holds
             rnd.generated = time.perf_counter()
         else:
@@ -114,7 +119,10 @@ class InFlight:
         rnd = self.pending[0]
         if rnd.future is not None:
             _await(rnd, waiting)
-            groups, version = rnd.future.result()
+            try:
+                groups, version = rnd.future.result()
+            except UnannouncedWeights as e:  # generated (in part) by weights never announced: not to be sent
+                groups, version, rnd.refused = [], None, str(e)
             rnd.samples = groups
             rnd.version = version if version is not None else rnd.version
         return self.pending.popleft()

@@ -240,7 +240,8 @@ class Actor:
             rnd.positions, rnd.unsampled = drawn.positions, drawn.unsampled()
         if not self.in_flight.pending:
             return None
-        return self.sampled(self.in_flight.finish_oldest(self._while_sampling))
+        rnd = self.sampled(self.in_flight.finish_oldest(self._while_sampling))
+        return None if self._refused(rnd) else rnd
 
     def _while_sampling(self) -> None:
         """Called every 0.2 s while the actor waits for a round: heartbeats, and with in-flight updates on an engine
@@ -254,7 +255,8 @@ class Actor:
         ``actor.stop_send_timeout_s`` of room), as the one round in hand always was."""
         while self.in_flight.pending:
             rnd = self.sampled(self.in_flight.finish_oldest(self.heartbeat))
-            self.send(rnd, self.grade(rnd.problems, rnd.samples))
+            if not self._refused(rnd):
+                self.send(rnd, self.grade(rnd.problems, rnd.samples))
 
     def wait_for_room(self, holder: str) -> bool:
         """Backpressure, before sampling: reserve room for a whole round among the groups the learner can still
@@ -438,11 +440,19 @@ class Actor:
     def _discard(self, out: Outgoing, reason: str, holder: str) -> None:
         """A round that will not be sent: counted as ``groups_discarded:<reason>`` (with the round's other counters
         and what it filtered), so that the sampling it cost shows."""
-        log.warning("discarding a round of %d groups: %s", len(out.payloads), reason.replace("_", " "))
+        log.warning("discarding a round of %d groups: %s", len(out.payloads) + out.unsent, reason.replace("_", " "))
         try:
             self.transport.produce([], dict(out.discarded(reason)), holder=holder, filtered=out.filtered, claim=True)
         except ClaimLost as e:
             self._claim_lost(out, holder, e)
+
+    def _refused(self, rnd: Round) -> bool:
+        """A round generated (in part) by weights their learner never announced (actor.unannounced): discarded,
+        counted as ``groups_discarded:unannounced`` with its positions."""
+        if rnd.refused:
+            log.warning("%s", rnd.refused)
+            self._discard(Outgoing.unsendable(len(rnd.problems), rnd.unsampled), "unannounced", rnd.holder)
+        return bool(rnd.refused)
 
     def _claim_lost(self, out: Outgoing | None, holder: str, e: ClaimLost) -> None:
         """The round's positions went to other actors while this one was gone past its lease (frozen, cut off from

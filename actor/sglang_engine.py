@@ -45,6 +45,7 @@ from actor.engine_protocol import EngineError
 from actor.sglang_api import PAUSE_MODES, generate_request, loaded_but_not_flushed, parse_samples, version_number
 from actor.sglang_lora import adapter_name, already_loaded, launch_args, load_body, load_refusal, uncovered
 from actor.sglang_server import LaunchedServer
+from actor.unannounced import Unannounced
 from common.config import Config
 from common.metrics import EngineEvent
 from common.model.generation import Sample
@@ -153,6 +154,7 @@ class SGLangEngine:
         self._adapter_users: Counter[str] = Counter()  # requests generating with each adapter
         self._adapters_lock = threading.Lock()
         self._said_flush = False
+        self.unannounced = Unannounced(2 * cfg.weights.nccl_timeout_s)  # broadcast weights not announced yet
         # A real server's scheduler dies on a checkpoint whose shapes differ from its model's (an assertion in its
         # weight loader, then SGLang kills itself): new versions are checked against the served model's first
         # (names, shapes and dtypes, as the local engine checks them).
@@ -249,12 +251,14 @@ class SGLangEngine:
             stop_token_ids=self.stop_ids, mode=self.cfg.sglang.requests, lora=adapter, cache_salt=salt,
         )  # fmt: skip
         try:
+            dropped = self.unannounced.sending()  # (weights.transport nccl: waits while weights are being taken)
             reply = self.client.request("POST", "/generate", body)
         finally:
             if adapter is not None:
                 self._done_with(adapter)
         mixed = self.pause_mode is not None and adapter is None
         groups, served = parse_samples(reply, len(prompts), n, mixed=mixed)
+        self.unannounced.check(served, dropped)  # refused where weights never announced gave it
         if mixed:  # the versions are ours, loaded by this engine: the samples say which produced what
             return groups, version_number(served) if served is not None else None
         if adapter is not None:  # the reply's weight_version is the base's, which adapters do not change
@@ -300,6 +304,7 @@ class SGLangEngine:
             self._update_from_disk(ann, body)
         self.version = ann.version
         self.served = version
+        self.unannounced.announced()
         self._drop_adapter()  # whole weights replace the base; requests name no adapter from now on
         return nbytes
 
@@ -438,6 +443,7 @@ class SGLangEngine:
         actor samples nothing, until :meth:`commit`. Raises :class:`WeightsError` when the server refused or failed
         and still answers, :class:`EngineError` when not."""
         updated = False
+        self.unannounced.receiving(str(rnd.version))
         try:
             self._update_call("/begin_weight_update", {}, timeout_s)
             try:
@@ -453,6 +459,7 @@ class SGLangEngine:
             finally:
                 self._update_call("/end_weight_update", {}, timeout_s)
         except EngineError as e:
+            self.unannounced.dropped(*([self.served] if updated else []))  # a mix, under the name it had
             if updated:  # SGLang loads each bucket as it comes: the server holds a mix of two versions now
                 log.warning("weights v%d arrived in part: no sampling until a whole version is loaded", rnd.version)
             self._unless_stuck(f"weights v{rnd.version} over NCCL", e)
@@ -462,16 +469,21 @@ class SGLangEngine:
     def commit(self, rnd: Round) -> None:
         """The round was announced: the weights the server took are this version."""
         if self._received != rnd.id:
+            self.unannounced.dropped()
             raise WeightsError(f"weights v{rnd.version} of round {rnd.id} were not received")
         self._received = None
         self.version = rnd.version
         self.served = str(rnd.version)
+        self.unannounced.announced()
         self._drop_adapter()
 
     def discard(self, rnd: Round) -> None:
         """Never announced: the server holds weights nobody announced (version -1, no sampling) until a whole
-        announced version is loaded, as after a version that arrived in part."""
+        announced version is loaded, as after a version that arrived in part. A reply those weights gave (a
+        request sent meanwhile from a round in flight, or an episode's next turn) is refused (actor.unannounced)."""
         self._received = None
+        self.version = -1
+        self.unannounced.dropped()
         log.warning("the SGLang server holds weights v%d of round %s, which were never announced: no sampling until "
                     "an announced version is loaded", rnd.version, rnd.id)  # fmt: skip
 

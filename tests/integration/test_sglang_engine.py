@@ -226,3 +226,61 @@ def test_a_version_that_does_not_fit_the_served_model_is_never_sent(demo_model_d
         assert engine.client.healthy()
     finally:
         standin.stop()
+
+
+def test_a_reply_from_broadcast_weights_waits_for_their_announcement_and_is_refused_without_it(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """weights.transport nccl: the server takes a broadcast's weights before its learner announces them, and a
+    request sent meanwhile (a round in flight, an episode's next turn) is answered by them. Its reply waits for the
+    decision: announced, it stands as that version; dropped (a learner fenced out after its broadcast), it is
+    refused, the engine samples nothing (version -1) until announced weights replace them, and the successor's
+    version of the same number, loaded from disk, is loaded and served, not taken for the one the server held."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM
+
+    from actor.sglang_engine import SGLangEngine
+    from actor.unannounced import UnannouncedWeights
+    from common.config import load_config
+    from common.schemas.control import Round
+
+    def took_broadcast(standin: StandIn, engine: SGLangEngine, version: int) -> Round:
+        """A round's weights received (no buckets here; the last one names the version on the server)."""
+        rnd = Round("s", version, version, "g", "127.0.0.1", 1, 2, "gloo", {"a": 1})
+        engine.receive(rnd, 5.0)
+        standin.scheduler_version = str(version)  # what SGLang reports once the last bucket is in
+        standin.paused.serving(str(version))
+        return rnd
+
+    standin = StandIn(str(demo_model_dir)).start()
+    try:
+        cfg = load_config(None, [f"model.path={demo_model_dir}", f"run.dir={tmp_path}", f"sglang.url={standin.url}",
+                                 "weights.transport=nccl", "weights.nccl_timeout_s=10",
+                                 "sampling.max_new_tokens=4"])  # fmt: skip
+        events: list[str] = []
+        engine = SGLangEngine(cfg, seed=0, on_event=events.append)
+        with ThreadPoolExecutor(1) as pool:
+            rnd = took_broadcast(standin, engine, 5)
+            turn = pool.submit(engine.generate_versioned, [[1, 2, 3]], 2)
+            time.sleep(1.0)
+            assert not turn.done()  # answered by v5's weights, waiting for their announcement
+            engine.commit(rnd)
+            assert turn.result(timeout=30)[1] == 5 and engine.version == 5
+
+            rnd = took_broadcast(standin, engine, 6)
+            turn = pool.submit(engine.generate_versioned, [[1, 2, 3]], 2)
+            time.sleep(1.0)
+            assert not turn.done()
+            engine.discard(rnd)  # never announced: its learner lost the run
+            with pytest.raises(UnannouncedWeights, match="never announced"):
+                turn.result(timeout=30)
+        assert engine.version == -1
+        with pytest.raises(UnannouncedWeights):  # whatever is sent before announced weights replace them
+            engine.generate_versioned([[1, 2]], 1)
+        successor = publish(AutoModelForCausalLM.from_pretrained(demo_model_dir), None, tmp_path / "weights", 6, keep=2)
+        engine.load(successor.announcement)
+        assert engine.generate_versioned([[1, 2]], 1)[1] == 6 and engine.version == 6
+        assert "version_from_reply" not in events  # no reply's version was ever taken on trust
+    finally:
+        standin.stop()

@@ -115,6 +115,7 @@ def _fields(source: str, cls: str) -> tuple[set[str], set[str]]:
 
 def test_update_group_requests_carry_the_fields_sglang_declares() -> None:
     from actor.sglang_engine import SGLangEngine
+    from actor.unannounced import Unannounced
 
     source = _sglang_file("srt", "managers", "io_struct.py").read_text()
     sent: list[tuple[str, dict[str, Any]]] = []
@@ -126,6 +127,7 @@ def test_update_group_requests_carry_the_fields_sglang_declares() -> None:
 
     engine = SGLangEngine.__new__(SGLangEngine)  # the request bodies only: no server, no tokenizer
     engine.client = Recorder()  # type: ignore[assignment]
+    engine.unannounced = Unannounced(5.0)
     rnd = Round("s", 1, 4, "g", "127.0.0.1", 1234, 2, "gloo", {"me": 1}, plan_buckets(tensors(), 64))
     engine.join_group(rnd, 1, 5.0)
     engine.receive(rnd, 5.0)
