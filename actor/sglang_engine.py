@@ -45,7 +45,7 @@ from actor.engine_protocol import EngineError
 from actor.sglang_api import PAUSE_MODES, generate_request, loaded_but_not_flushed, parse_samples, version_number
 from actor.sglang_lora import adapter_name, already_loaded, launch_args, load_body, load_refusal, uncovered
 from actor.sglang_server import LaunchedServer
-from actor.unannounced import Unannounced
+from actor.unannounced import Unannounced, reply_names
 from common.config import Config
 from common.metrics import EngineEvent
 from common.model.generation import Sample
@@ -154,7 +154,7 @@ class SGLangEngine:
         self._adapter_users: Counter[str] = Counter()  # requests generating with each adapter
         self._adapters_lock = threading.Lock()
         self._said_flush = False
-        self.unannounced = Unannounced(2 * cfg.weights.nccl_timeout_s)  # broadcast weights not announced yet
+        self.unannounced = Unannounced(4 * cfg.weights.nccl_timeout_s)  # broadcast weights not announced yet
         # A real server's scheduler dies on a checkpoint whose shapes differ from its model's (an assertion in its
         # weight loader, then SGLang kills itself): new versions are checked against the served model's first
         # (names, shapes and dtypes, as the local engine checks them).
@@ -251,14 +251,14 @@ class SGLangEngine:
             stop_token_ids=self.stop_ids, mode=self.cfg.sglang.requests, lora=adapter, cache_salt=salt,
         )  # fmt: skip
         try:
-            dropped = self.unannounced.sending()  # (weights.transport nccl: waits while weights are being taken)
-            reply = self.client.request("POST", "/generate", body)
+            with self.unannounced.request() as dropped:  # (weights.transport nccl: none while weights are taken)
+                reply = self.client.request("POST", "/generate", body)
         finally:
             if adapter is not None:
                 self._done_with(adapter)
         mixed = self.pause_mode is not None and adapter is None
         groups, served = parse_samples(reply, len(prompts), n, mixed=mixed)
-        self.unannounced.check(served, dropped)  # refused where weights never announced gave it
+        self.unannounced.check(reply_names(served, groups), dropped)  # refused where unannounced weights gave it
         if mixed:  # the versions are ours, loaded by this engine: the samples say which produced what
             return groups, version_number(served) if served is not None else None
         if adapter is not None:  # the reply's weight_version is the base's, which adapters do not change
@@ -437,13 +437,15 @@ class SGLangEngine:
 
     def receive(self, rnd: Round, timeout_s: float) -> int:
         """One weight-update session: each bucket as SGLang's ``flattened_bucket``, the version and a cache flush with
-        the last one. Called between rounds of sampling, so no generation sees half a version (requests already
-        sent hold SGLang's model-update lock, and the update waits for them). The server loads each bucket as it
+        the last one. Taken once the requests on their way are answered, and none is sent until the decision
+        (actor.unannounced), so no generation sees half a version. The server loads each bucket as it
         comes, so from the first one on it holds weights nobody announced yet: the engine's version is -1, and the
         actor samples nothing, until :meth:`commit`. Raises :class:`WeightsError` when the server refused or failed
         and still answers, :class:`EngineError` when not."""
         updated = False
-        self.unannounced.receiving(str(rnd.version))
+        if not self.unannounced.receiving(str(rnd.version), timeout_s):
+            raise WeightsError(f"weights v{rnd.version} over NCCL: requests sent before were not answered within "
+                               f"{timeout_s:.0f}s")  # fmt: skip
         try:
             self._update_call("/begin_weight_update", {}, timeout_s)
             try:
@@ -463,6 +465,9 @@ class SGLangEngine:
             if updated:  # SGLang loads each bucket as it comes: the server holds a mix of two versions now
                 log.warning("weights v%d arrived in part: no sampling until a whole version is loaded", rnd.version)
             self._unless_stuck(f"weights v{rnd.version} over NCCL", e)
+        except BaseException:  # (a reply cut short, say): requests waiting for the decision must not wait on
+            self.unannounced.dropped(*([self.served] if updated else []))
+            raise
         self._received = rnd.id
         return sum(b.nbytes for b in rnd.buckets)
 

@@ -4,15 +4,21 @@ announced them (actor.nccl_weights), so a request sent meanwhile is answered by 
 a learner frozen after its broadcast and fenced out of the run announces nothing, and a successor publishes its own
 version under the same number.
 
-:class:`Unannounced` keeps what the server is taking and the actor has not yet decided on. A request waits for the
-decision before it is sent, and a reply that reports such a version waits for it too: announced, the reply stands;
-dropped (or still undecided past the bound), its round is not sent (:class:`UnannouncedWeights`: the actor discards
-it, counted as ``groups_discarded:unannounced``), until announced weights replace the dropped ones.
+:class:`Unannounced` keeps what the server is taking and the actor has not yet decided on. The engine takes a
+broadcast only once the requests already on their way are answered (SGLang takes its model-update lock per bucket,
+so a request that reached it between two buckets would run on part of the weights), and sends no new one until the
+decision. A reply that reports weights being taken waits for the decision too: announced, it stands; dropped (or
+undecided past the bound), its round is not sent (:class:`UnannouncedWeights`: the actor discards it, counted as
+``groups_discarded:unannounced``), until announced weights replace the dropped ones.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
+
+from common.model.generation import Sample
 
 
 class UnannouncedWeights(RuntimeError):
@@ -21,15 +27,23 @@ class UnannouncedWeights(RuntimeError):
 
 class Unannounced:
     def __init__(self, wait_s: float):
-        self.wait_s = wait_s  # the most a reply waits for the decision (the actor's wait for the announcement)
+        self.wait_s = wait_s  # the most a request or a reply waits for a decision
         self._decided = threading.Condition()
         self._receiving: str | None = None  # the weight_version the server is taking (or took), undecided
         self._dropped: set[str] = set()  # names of weights the server may still hold, never announced
+        self._requests = 0  # sent and not yet answered
 
-    def receiving(self, served: str) -> None:
-        """The server starts taking weights that it will report as ``served``."""
+    def receiving(self, served: str, timeout_s: float) -> bool:
+        """The server is to take weights that it will report as ``served``: no request is sent from now until the
+        decision, and those on their way are answered first (False, nothing taken, when they are not within
+        ``timeout_s``). A dropped version of that name stays dropped until these are announced."""
         with self._decided:
-            self._receiving = served  # (a dropped version of that name stays dropped until these are announced)
+            self._receiving = served
+            if self._decided.wait_for(lambda: self._requests == 0, timeout=timeout_s):
+                return True
+            self._receiving = None
+            self._decided.notify_all()
+            return False
 
     def announced(self) -> None:
         """The server holds announced weights only (a broadcast committed, or a version loaded from disk)."""
@@ -49,26 +63,37 @@ class Unannounced:
             self._receiving = None
             self._decided.notify_all()
 
-    def sending(self) -> frozenset[str]:
-        """Before a request: waits while the server is taking weights (sent now, it would be served by part of them,
-        SGLang loading each bucket as it comes, or by weights not announced yet), up to the bound; then the names of
-        the dropped weights the server may hold as the request starts (announced weights of the same number may
-        replace them while it runs, and the reply's name cannot tell which it had). Requests sent before stay
-        whole: each holds SGLang's model-update lock, so the first bucket waits for them."""
+    @contextmanager
+    def request(self) -> Iterator[frozenset[str]]:
+        """Around a request, from before it is sent until its reply is in: waits while the server is taking
+        weights, up to the bound; gives the names of the dropped weights the server may hold as it starts (announced
+        weights of the same number may replace them while it runs, and the reply's names cannot tell which)."""
         with self._decided:
             if not self._decided.wait_for(lambda: self._receiving is None, timeout=self.wait_s):
                 raise UnannouncedWeights(f"weights {self._receiving!r} were being taken for over {self.wait_s:.0f}s")
-            return frozenset(self._dropped)
+            self._requests += 1
+            dropped = frozenset(self._dropped)
+        try:
+            yield dropped
+        finally:
+            with self._decided:
+                self._requests -= 1
+                self._decided.notify_all()
 
-    def check(self, served: str | None, dropped_at_send: frozenset[str] = frozenset()) -> None:
-        """Returns once a reply generated with ``served`` is known to be announced weights' (at once, unless they
-        are being taken); raises :class:`UnannouncedWeights` when they were dropped, before the request or since,
-        or no decision came in time."""
-        if served is None:
-            return
+    def check(self, served: Collection[str], dropped_at_send: frozenset[str] = frozenset()) -> None:
+        """Returns once a reply whose tokens came from the weights named ``served`` (every version it reports) is
+        known to be announced weights' (at once, unless some are being taken); raises :class:`UnannouncedWeights`
+        when any were dropped, before the request or since, or no decision came in time."""
         with self._decided:
-            if not self._decided.wait_for(lambda: served != self._receiving, timeout=self.wait_s):
-                raise UnannouncedWeights(f"the server answered with weights {served!r} that were not announced "
-                                         f"within {self.wait_s:.0f}s")  # fmt: skip
-            if served in self._dropped or served in dropped_at_send:
-                raise UnannouncedWeights(f"the server answered with weights {served!r} that were never announced")
+            if not self._decided.wait_for(lambda: self._receiving not in served, timeout=self.wait_s):
+                raise UnannouncedWeights(f"the server answered with weights {self._receiving!r} that were not "
+                                         f"announced within {self.wait_s:.0f}s")  # fmt: skip
+            if bad := sorted(set(served) & (self._dropped | dropped_at_send)):
+                raise UnannouncedWeights(f"the server answered with weights {bad} that were never announced")
+
+
+def reply_names(served: str | None, groups: Sequence[Sequence[Sample]]) -> set[str]:
+    """Every weights name a reply reports: its newest, and with in-flight updates each token run's (the samples
+    carry their versions as numbers, which are our names for versions)."""
+    runs = {str(v) for g in groups for s in g for v, _ in s.versions}
+    return runs | {served} if served is not None else runs
