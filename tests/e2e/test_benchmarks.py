@@ -149,9 +149,17 @@ def test_b7_loads_weights_between_rounds_and_in_flight_on_the_same_workload() ->
         assert 0 <= m["actor_idle_frac"] < 1 and 0 <= m["learner_idle_frac"] < 1 and m["completions_per_s"] > 0
         assert 0 <= m["dropped_stale_frac"] < 1 and m["tokens_stale_masked"] >= 0
     # Between rounds every answer is one version; in flight, answers span the versions loaded while they were
-    # sampled, so their tokens are younger than their rounds.
+    # sampled, and a group is as old as its newest token, so its tokens are on average at least as old as it.
     assert before["versions_per_answer"] == 1 and after["versions_per_answer"] > 1
-    assert after["token_staleness_mean"] < before["token_staleness_mean"]
+    assert after["token_staleness_mean"] >= after["group_staleness_mean"] >= 0
+    # Which mode's tokens come out younger, and whose actor idles less, is the benchmark's finding, not an invariant:
+    # --quick runs no pilot to pace the actor to this machine's learner, so the two are as fast as each other by
+    # design and a busy machine tips the balance either way (a slower actor leaves the learner waiting, every batch
+    # one version old in both modes). The figures come from the full run; here its verdict must follow from them.
+    won = after["token_staleness_mean"] < before["token_staleness_mean"] and (
+        after["actor_idle_frac"] < before["actor_idle_frac"]
+    )
+    assert report["ok"] is won
     for k in ("actor_idle_frac", "learner_idle_frac", "token_staleness_mean", "completions_per_s"):
         assert case[f"{k}_ratio"] == pytest.approx(after[k] / before[k]) if before[k] else case[f"{k}_ratio"] is None
 
