@@ -7,8 +7,9 @@ refused password or command, missing model path, a run, weights or checkpoint di
 one line on stderr; 3 Redis lost mid-run and still unreachable after ``redis.retries`` reconnect attempts, or
 refusing commands for now (full, busy ...) for ``redis.full_wait_s`` (a supervisor restarts the process; nothing is
 lost, see docs/operations.md, "What survives what"); 4 the run is held by another live learner (``learner.if_held:
-exit``, or ``learner.held_wait_s`` spent waiting); 5 the learner found another one had taken its run over, and stopped
-at once; 130 Ctrl-C. Anything else is a bug and keeps its traceback.
+exit``, or ``learner.held_wait_s`` spent waiting); 5 the learner found another one had taken its run over, or an actor
+found a newer process under its ``actor.id``, and stopped at once; 130 Ctrl-C. Anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 ``prompts:choices``    hash        ``taken:<pool>``, ``passed:<pool>``: cursor positions the difficulty sampler took or
                                    passed over
 ``actors:<id>``        string+TTL  heartbeat (JSON, common.schemas.Heartbeat)
+``actor_ids``          hash        actor id -> the generation of the newest process that took it: an older process
+                                   under the id is refused its next draw (common.transport.prompts.Superseded)
 ``stats``              hash        durable counters (common.schemas.RunCounters), see below
 ``done``               string      set by the learner after its last step (common.schemas.DoneMark); actors exit then
 ``trained_ids``        sorted set  group ids trained on, by step (a bounded window), to train a duplicate once
@@ -95,7 +97,7 @@ from common.transport.connection import (
 from common.transport.delivery import DEAD_PREFIX_BYTES, Delivery, ReadLimits, StreamEntry
 from common.transport.difficulty import choices_of
 from common.transport.lease import LeaseHeld, LeaseLost, lease_line
-from common.transport.prompts import ClaimLost, PromptBalance
+from common.transport.prompts import ClaimLost, PromptBalance, Superseded
 from common.transport.refusals import Refusal, refusal
 from common.transport.run import Balance, read_balance
 from common.transport.views import ActorTransport, LearnerTransport, Transport
@@ -119,6 +121,7 @@ __all__ = [
     "Refusal",
     "SentinelURL",
     "StreamEntry",
+    "Superseded",
     "Transport",
     "TransportError",
     "choices_of",

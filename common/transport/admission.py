@@ -113,7 +113,9 @@ return 1
 
 
 # Renew holder ARGV[1]'s reservation (KEYS[1], inflight) and its claim on prompt positions (KEYS[2], prompts:claims;
-# common.transport.prompts: its round and positions kept), whichever it has, by ARGV[2] ms from now.
+# common.transport.prompts: its round and positions kept), whichever it has, by ARGV[2] ms from now; the claim only
+# while it is round ARGV[3]'s, this process's: another process's under the same name (one started while this one was
+# frozen) is not this heartbeat's to keep alive.
 _RENEW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -125,8 +127,8 @@ if v then
 end
 local c = redis.call('HGET', KEYS[2], ARGV[1])
 if c then
-  local rest = string.match(c, '^%d+ (.*)$')
-  if rest then redis.call('HSET', KEYS[2], ARGV[1], lease_end .. ' ' .. rest) end
+  local round, rest = string.match(c, '^%d+ r(%x+) ?(.*)$')
+  if round == ARGV[3] then redis.call('HSET', KEYS[2], ARGV[1], lease_end .. ' r' .. round .. ' ' .. rest) end
 end
 return 1
 """
@@ -225,10 +227,10 @@ class Producing(Connection):
 
     def renew_reservation(self, holder: str, lease_s: float) -> None:
         """Extend ``holder``'s reservation and its claim on prompt positions, those it has, by ``lease_s`` from now
-        (with each heartbeat)."""
+        (with each heartbeat); the claim only while it is this process's round's."""
         lease_ms = max(1, int(lease_s * 1000))
         keys = [self.keys.inflight, self.keys.prompts_claims]
-        self._do(lambda: self._renew_script(keys=keys, args=[holder, lease_ms]))
+        self._do(lambda: self._renew_script(keys=keys, args=[holder, lease_ms, self.rounds.of(holder)]))
 
     def stream_length(self) -> int:
         return int(self._do(lambda: self.client.xlen(self.keys.groups)))

@@ -88,6 +88,10 @@ class Rounds:
 
     def __init__(self) -> None:
         self._tokens: dict[str, str] = {}  # holder -> its round's token (threads draw for holders of their own)
+        # The actor id this process draws under and its generation (``actor_ids``, :meth:`Drawing.take_name`): a
+        # process whose id a newer one has taken since is refused its next draw (Superseded). '' and 0: none taken.
+        self.name = ""
+        self.generation = 0
 
     def start(self, holder: str) -> str:
         self._tokens[holder] = token = call_token()
@@ -125,6 +129,7 @@ class Keys:
         self.prompts_redraw = self.prefix + "prompts:redraw"
         self.prompts_trained = self.prefix + "prompts:trained"
         self.prompts_last = self.prefix + "prompts:last"
+        self.actor_ids = self.prefix + "actor_ids"
         self.stats = self.prefix + "stats"
         self.done = self.prefix + "done"
         self.trained_ids = self.prefix + "trained_ids"

@@ -14,6 +14,9 @@ claim, and every position drawn is accounted for (common.schemas.prompts: the fo
   actor lets go of by :meth:`Drawing.release_round` (``prompts_requeued:released``), and a claim left by an earlier
   process under the same holder name by that holder's next round: those positions are drawn again before any new
   one, so a dead actor's prompts are neither skipped nor silently repeated.
+- Each process takes its actor id at start (:meth:`Drawing.take_name`: a generation one above the last, in
+  ``actor_ids``); one whose id a newer process has taken since is refused its next draw (:class:`Superseded`) and
+  stops, since each new round of two live processes under one name would give back the other's live claim.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import redis
 
 from common.schemas import PromptClaim, PromptCounters, RunCounters, claims_of
 from common.transport.connection import Connection, Lua, call_token
+from common.transport.lease import LeaseLost
 
 # A claim value's parts (PromptClaim's form "<lease end ms> r<round> <positions>"): the lease's end, the token of the
 # round that holds it ('' in a claim of an earlier build, "<lease end ms> <positions>"), the positions; nil for a
@@ -66,11 +70,16 @@ end
 
 # Draw ARGV[2] positions for holder ARGV[1] under a lease of ARGV[3] ms; ARGV[4] '1' starts the holder's round ARGV[6]
 # (a claim it still has is an earlier round's, given back as lost), '0' draws more for round ARGV[6], which its claim
-# must still be; ARGV[5] is the call's token. KEYS: claims, redraw, cursor, stats, last (holder -> 'draw <token>
-# <positions>').
+# must still be; ARGV[5] is the call's token; ARGV[7] and ARGV[8] the actor id the process took and its generation
+# ('' and '0': none taken). KEYS: claims, redraw, cursor, stats, last (holder -> 'draw <token> <positions>'), actor_ids.
 _DRAW = (
     _REQUEUE_LUA
     + """
+-- A process whose actor id a newer process has taken since (started while this one was frozen, or configured alike)
+-- draws nothing more: each new round of either would give back the other's live claim, and neither would send.
+if ARGV[7] ~= '' and tonumber(redis.call('HGET', KEYS[6], ARGV[7]) or '0') > tonumber(ARGV[8]) then
+  return redis.error_reply('superseded: a newer process took actor id ' .. ARGV[7])
+end
 -- The same call sent again after its reply was lost (the connection dropped once Redis had run it): it answers what
 -- it drew the first time. Drawing anew would leave those positions in the claim, unknown to the actor.
 local last = redis.call('HGET', KEYS[5], ARGV[1])
@@ -148,6 +157,11 @@ return 1
 )
 
 
+class Superseded(LeaseLost):
+    """A newer process took this actor's id (``actor.id``) since this one started: it draws nothing more and stops
+    (exit code 5, as a fenced-out learner), so that the two never cancel each other's rounds."""
+
+
 class ClaimLost(RuntimeError):
     """The round's claim on its positions is gone (its lease ran out and another actor's draw gave them back to be
     drawn again): the script that writes rounds, or draws more for one, refused it whole, writing nothing."""
@@ -158,11 +172,24 @@ def claim_lost(e: redis.ResponseError) -> ClaimLost | None:
     return ClaimLost(str(e).split("claim_lost: ", 1)[-1]) if "claim_lost: " in str(e) else None
 
 
+def superseded(e: redis.ResponseError) -> Superseded | None:
+    """The :class:`Superseded` a draw's error reply says, or None for another error."""
+    return Superseded(str(e).split("superseded: ", 1)[-1]) if "superseded: " in str(e) else None
+
+
 class Drawing(Connection):
     """What actors do with prompt positions: draw them under a claim, let a round go."""
 
     _draw_script = Lua(_DRAW)
     _release_script = Lua(_RELEASE)
+
+    def take_name(self, actor_id: str) -> int:
+        """This process draws as ``actor_id`` from now on, under a generation one above the last process's that took
+        it (``actor_ids``): an earlier process still running under the id is refused its next draw
+        (:class:`Superseded`). Returns the generation; above 1, the id was used before (a restart, or a twin)."""
+        generation = int(self._do(lambda: self.client.hincrby(self.keys.actor_ids, actor_id, 1)))
+        self.rounds.name, self.rounds.generation = actor_id, generation
+        return generation
 
     def next_prompts(self, k: int, holder: str, lease_s: float, *, new_round: bool = True) -> list[int]:
         """Claim ``k`` prompt positions (positions, not dataset indices) for ``holder``'s round: positions given back
@@ -174,14 +201,14 @@ class Drawing(Connection):
         if k <= 0:
             return []
         keys = [self.keys.prompts_claims, self.keys.prompts_redraw, self.keys.prompts_cursor, self.keys.stats,
-                self.keys.prompts_last]  # fmt: skip
+                self.keys.prompts_last, self.keys.actor_ids]  # fmt: skip
         round_token = self.rounds.start(holder) if new_round else self.rounds.of(holder)
         args: list[str | int] = [holder, k, max(1, int(lease_s * 1000)), "1" if new_round else "0", call_token(),
-                                 round_token]  # fmt: skip
+                                 round_token, self.rounds.name, self.rounds.generation]  # fmt: skip
         try:
             drawn = self._do(lambda: self._draw_script(keys=keys, args=args))
         except redis.ResponseError as e:
-            raise claim_lost(e) or e from None
+            raise claim_lost(e) or superseded(e) or e from None
         return [int(p) for p in cast(list, drawn)]
 
     def release_round(self, holder: str) -> None:

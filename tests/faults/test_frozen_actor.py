@@ -58,3 +58,27 @@ def test_an_actor_frozen_past_its_lease_loses_its_round_not_its_prompts(demo_mod
     assert b.unexplained == 0 and b.trained == STEPS * BATCH, b.equation()
     assert pb.unexplained == 0 and pb.counters.redrawn >= lost() > 0, pb.equation()
     assert pb.counters.trained == b.trained and pb.counters.retrained == 0, pb.counters
+
+
+def test_of_two_actors_under_one_id_the_older_stops_and_the_newer_samples_on(demo_model_dir: Path, redis_url: str,
+                                                                             tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """Two live processes under one ``actor.id`` (one started while the other was frozen, or two configured alike):
+    each new round of either gave back the other's live claim, so neither sent. The older one stops, exit 5 in one
+    line, before its next draw; the newer one samples on, and the run finishes with both equations balanced."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    args = run_settings(redis_url, demo_model_dir, run_dir, "twin-actors", STEPS, BATCH, "learner.min_step_s=0.5",
+                        "actor.filter_zero_std=false", "actor.id=twin")  # fmt: skip
+    t = Transport(RedisConfig(url=redis_url), "twin-actors")
+    learner = processes.grpo("learner", *args, log=logs / "learner.log")
+    first = processes.grpo("actor", *args, log=logs / "first.log")
+    assert wait_until(lambda: (a := t.latest_weights()) is not None and a.version >= 2, 240), _tail(logs)
+    second = processes.grpo("actor", *args, log=logs / "second.log")
+    assert first.wait(timeout=120) == 5, _tail(logs)
+    assert learner.wait(timeout=300) == 0 and second.wait(timeout=60) == 0, _tail(logs)
+
+    text = (logs / "first.log").read_text()
+    assert "stopped: a newer process took actor id twin" in text and "Traceback" not in text, text[-3000:]
+    b, pb = read_balance(t), t.prompt_balance()
+    assert b.unexplained == 0 and b.trained == STEPS * BATCH, b.equation()
+    assert pb.unexplained == 0 and not pb.claims and pb.counters.retrained == 0, pb.equation()

@@ -11,7 +11,7 @@ import pytest
 
 from common.config import RedisConfig
 from common.schemas import PromptClaim, SchemaError
-from common.transport import ClaimLost, Transport, read_balance
+from common.transport import ClaimLost, LeaseLost, Superseded, Transport, read_balance
 
 pytestmark = pytest.mark.integration
 
@@ -148,6 +148,45 @@ def test_a_process_woken_under_a_name_a_newer_one_holds_neither_settles_nor_lets
     settled(started, "actor-1", 4)
     pb = started.prompt_balance()
     assert "actor-1" not in pb.claims and pb.counters.sent == 4 and pb.unexplained == 0, pb.equation()
+
+
+def test_a_process_whose_actor_id_a_newer_one_took_is_refused_its_next_draw(redis_url: str) -> None:
+    """Two live processes under one ``actor.id``: each new round of either gave back the other's live claim, and
+    neither sent. The one that took the id first is refused its next draw, whatever the claims hold, and the newer
+    one's rounds are left alone."""
+    old, new = transport(redis_url), transport(redis_url)
+    old.ensure_consumer_group()
+    assert old.take_name("actor-1") == 1
+    assert old.next_prompts(2, "actor-1", 60) == [0, 1]
+    settled(old, "actor-1", 2)
+    assert new.take_name("actor-1") == 2  # started while the first still runs
+    assert new.next_prompts(2, "actor-1", 60) == [2, 3]
+    with pytest.raises(Superseded, match="actor-1"):
+        old.next_prompts(2, "actor-1", 60)  # its next round: the newer one's live claim stays
+    with pytest.raises(Superseded):
+        old.next_prompts(1, "actor-1/1", 60)  # its other slots' too
+    with pytest.raises(Superseded):
+        old.next_prompts(1, "actor-1", 60, new_round=False)
+    pb = new.prompt_balance()
+    assert pb.claims["actor-1"].positions == (2, 3) and not pb.counters.requeued, pb.equation()
+    settled(new, "actor-1", 2)
+    assert new.prompt_balance().counters.sent == 4 and new.prompt_balance().unexplained == 0
+    assert isinstance(Superseded("x"), LeaseLost)  # grpo's exit code 5, one line, as for a fenced-out learner
+
+
+def test_a_heartbeat_renews_only_its_own_rounds_claim(redis_url: str) -> None:
+    """A woken process's heartbeat must not keep alive the claim of a newer process under its name: were that newer
+    one killed, its positions would wait on the woken one's beats instead of its own lease."""
+    frozen, started, other = transport(redis_url), transport(redis_url), transport(redis_url)
+    assert frozen.next_prompts(1, "actor-1", 0.2) == [0]
+    time.sleep(0.3)
+    assert started.next_prompts(2, "actor-1", 0.4) == [0, 1]  # the frozen one's claim given back, a new one taken
+    lease_end = started.prompt_balance().claims["actor-1"].lease_end_ms
+    frozen.renew_reservation("actor-1", 60)
+    assert started.prompt_balance().claims["actor-1"].lease_end_ms == lease_end  # not renewed by the other process
+    started.renew_reservation("actor-1", 60)
+    assert started.prompt_balance().claims["actor-1"].lease_end_ms > lease_end + 30_000
+    assert other.next_prompts(1, "b", 60) == [2]  # renewed: nothing given back
 
 
 def test_trained_positions_are_marked_once_and_a_second_time_counted(redis_url: str) -> None:

@@ -22,6 +22,7 @@ def test_keys_live_under_the_run_hash_tag(redis_url: str) -> None:
     t = transport(redis_url, "my-run")
     t.ensure_consumer_group()
     t.produce([b"x"], {"groups_filtered:zero_std": 2})
+    t.take_name("a1")
     t.next_prompts(3, "a1", 5)
     t.record_outcomes([("p1", "m")], 4, {"taken:unseen": 1})
     t.heartbeat("a1", 5, {})
@@ -33,6 +34,7 @@ def test_keys_live_under_the_run_hash_tag(redis_url: str) -> None:
     t.nccl_decide("s:1", "go")
     keys = sorted(k.decode() for k in t.client.keys("*"))
     assert keys == [
+        "grpo:{my-run}:actor_ids",
         "grpo:{my-run}:actors:a1",
         "grpo:{my-run}:done",
         "grpo:{my-run}:groups",
