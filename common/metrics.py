@@ -50,7 +50,7 @@ DISTRIBUTION = "grpo-pipeline"  # pyproject.toml's name: grpo_build_info's versi
 # The label values each labelled counter can take: the producers are typed with these (see the module docstring).
 FilterReason = Literal["zero_std"]
 # grader.name=service adds its own: a batch that timed out, found no server, got an HTTP error or an answer that is not
-# {"scores": [...]} of the right length, after its retries (README: Rewards from a service).
+# {"scores": [...]} of the right length, after its retries (docs/tasks.md: Rewards from a service).
 GraderErrorKind = Literal[
     "timeout",
     "memory",  # past the worker's memory limit (grader.memory_mb, env.memory_mb)

@@ -159,7 +159,7 @@ class SGLangConfig(Section):
         ge=1,
         description="rounds an actor keeps generating at once on its server (each with its own reservation of "
         "room): the server batches them continuously, and the actor grades and sends one while the others "
-        "generate; 1 = one round at a time (see B6 in the README for the figures per CPU kind)",
+        "generate; 1 = one round at a time (see B6 in docs/sglang.md for the figures per CPU kind)",
     )
     requests: Literal["n", "separate"] = Field(
         "n",

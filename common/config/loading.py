@@ -25,7 +25,7 @@ class ConfigError(ValueError):
     """A user's configuration mistake: the message names the field and is fit to print as is."""
 
 
-# Environment variables read into the tree; the names are documented in the README.
+# Environment variables read into the tree; the names are documented in the README (Configuration).
 ENV_KEYS: dict[str, str] = {
     "GRPO_REDIS_URL": "redis.url",
     "GRPO_REDIS_USERNAME": "redis.username",

@@ -291,7 +291,7 @@ class GraderConfig(Section):
     url: str = Field(
         "",
         description="service: the scorer's http:// or https:// endpoint; POSTed {items: [{prompt, completion, "
-        "reference}]}, it answers {scores: [...]} in [0, 1] (README: Rewards from a service)",
+        "reference}]}, it answers {scores: [...]} in [0, 1] (docs/tasks.md: Rewards from a service)",
     )
     batch_size: int = Field(16, ge=1, description="service: answers per request")
     retries: int = Field(
@@ -385,7 +385,7 @@ class WeightsConfig(Section):
         description="how versions reach actors: disk = every version written to weights.dir and read by each actor; "
         "nccl = the learner broadcasts each version straight into its actors' engines (SGLang servers through "
         "/update_weights_from_distributed, or the local engine), with a fall-back to disk when a broadcast cannot "
-        "happen in time (README: Scale out)",
+        "happen in time (docs/scale-out.md)",
     )
     disk_every: int = Field(
         10,

@@ -1,6 +1,6 @@
 """The documentation's links hold: every relative link in README.md and docs/*.md names a file that exists and, for a
 ``#anchor`` into a Markdown file, a heading that file has (by GitHub's anchor rule); and the README's contents list
-names every ``##`` section, in order."""
+names every ``##`` section, in order; each figure of the tables is in one place only (a guide's, or the README's)."""
 
 from __future__ import annotations
 
@@ -126,3 +126,27 @@ def test_contents_list_names_every_section(name: str) -> None:
     sections = [github_anchor(text) for level, text in headings(path) if level == 2]
     assert sections, f"{name} has no ## sections"
     assert contents_list(path) == sections, f"{name}: the contents list and the ## sections differ"
+
+
+def table_rows(path: Path) -> list[str]:
+    """The body rows of every Markdown table outside code: not its header, not the line under it."""
+    rows: list[str] = []
+    previous = ""
+    for line in prose_lines(path):
+        is_row = line.startswith("|")
+        if is_row and previous.startswith("|") and not re.fullmatch(r"[|\s:-]+", line):
+            rows.append(line.strip())
+        previous = line if is_row else ""
+    return rows
+
+
+def test_every_figure_is_told_in_one_place() -> None:
+    """A figure told twice is told wrong once, sooner or later: each table row holding a figure is in one file only,
+    and once there."""
+    seen: dict[str, list[str]] = {}
+    for doc in DOCS:
+        for row in table_rows(doc):
+            if re.search(r"\d", row):
+                seen.setdefault(row, []).append(str(doc.relative_to(ROOT)))
+    twice = {row[:100]: where for row, where in seen.items() if len(where) > 1}
+    assert not twice, twice

@@ -86,7 +86,7 @@ def probe_memory(model: str, rows: int, steps: int) -> dict:
 
     Every allocation of 1 MiB or more is its own mapping (``MALLOC_MMAP_THRESHOLD_``), returned when freed: the peak
     then measures what generation holds, not the freed blocks glibc's heap may keep (which made the same run's
-    growth anywhere from 13 to 420 MiB; the README quotes both)."""
+    growth anywhere from 13 to 420 MiB; docs/real-model.md quotes both)."""
     done = subprocess.run(
         [sys.executable, "-m", "tests.memory_probe", model, str(rows), str(steps)],
         capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
