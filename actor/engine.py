@@ -26,7 +26,7 @@ from actor.recompute import generate_recomputing
 from common.config import Config
 from common.cores import core_borrower
 from common.hardware import describe_device, resolve_bf16
-from common.model.generation import Sample, generate, pad_token_id, stop_token_ids, version_runs
+from common.model.generation import generate, pad_token_id, stop_token_ids
 from common.model.loading import load_pretrained
 from common.model.lora import (
     adapter_state,
@@ -41,6 +41,7 @@ from common.model.lora import (
     wrap,
     wrap_as,
 )
+from common.rollout import Sample, version_runs
 from common.schemas import WeightsAnnouncement
 from common.weights import WeightsError, WeightsMismatch, check_fits, confined, load_into, load_state_dict
 from common.weights.nccl import Round, abort_group, close_group, open_group, unflatten, wait_for

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from common.model.generation import Sample
+from common.rollout import Sample
 from common.schemas import WeightsAnnouncement
 
 

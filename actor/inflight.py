@@ -24,7 +24,7 @@ from typing import Any
 from actor.engine_protocol import Engine
 from actor.unannounced import UnannouncedWeights
 from common.config import Config
-from common.model.generation import Sample
+from common.rollout import Sample
 from common.tasks import Problem
 from grader.episodes import Episodes
 

@@ -26,8 +26,8 @@ from actor.updates import Backoff, announcement_key, in_flight_updates, same_lin
 from common.config import Config
 from common.liveness import Liveness
 from common.metrics import ActorMetrics
-from common.model.generation import Sample
 from common.model.limits import message_byte_limit
+from common.rollout import Sample
 from common.schemas import FORWARDED, SchemaError, WeightsAnnouncement
 from common.tasks import Problem, PromptEncoder, make_task
 from common.transport import ActorTransport, Admission, ClaimLost, round_fits

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.model.generation import Sample
+from common.rollout import Sample
 from common.schemas import Completion, GroupMessage
 from common.tasks import Problem
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from actor.filter import Decision, ZeroStdFilter, filtered_stats, overlong_penalties, shaped
 from actor.message import group_message
 from common.config import Config
-from common.model.generation import Sample
+from common.rollout import Sample
 from common.schemas import FORWARDED, PROMPTS_SENT, FilteredStats, counter, encode_group, prompt_counter
 from common.tasks import Problem
 

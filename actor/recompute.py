@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from actor.engine_protocol import Updates
-from common.model.generation import Sample, merged_runs
+from common.rollout import Sample, merged_runs
 
 # generate(prompts, n, max_new_tokens, interrupt) -> n samples per prompt, prompt-major
 Generate = Callable[[Sequence[Sequence[int]], int, int, Callable[[], bool]], list[list[Sample]]]

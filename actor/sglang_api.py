@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from actor.engine_protocol import EngineError
-from common.model.generation import Sample
+from common.rollout import Sample
 
 PAUSE_MODES = {"keep": "in_place", "recompute": "retract"}  # actor.in_flight_kv → /pause_generation's mode
 

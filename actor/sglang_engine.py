@@ -48,8 +48,8 @@ from actor.sglang_server import LaunchedServer
 from actor.unannounced import Unannounced, reply_names
 from common.config import Config
 from common.metrics import EngineEvent
-from common.model.generation import Sample
 from common.model.lora import base_identity, check_base
+from common.rollout import Sample
 from common.schemas import WeightsAnnouncement
 from common.weights import WeightsError, WeightsMismatch, confined, mismatch, tensor_specs, verify
 from common.weights.nccl import Round

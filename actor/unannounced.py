@@ -18,7 +18,7 @@ import threading
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 
-from common.model.generation import Sample
+from common.rollout import Sample
 
 
 class UnannouncedWeights(RuntimeError):

@@ -30,8 +30,8 @@ from typing import Any, get_args
 
 from common.config import Config
 from common.metrics import EpisodeEnd
-from common.model.generation import Sample, merged_runs
 from common.model.limits import prompt_token_limit
+from common.rollout import Sample, merged_runs
 from common.tasks.evaluation import Generate
 from grader.environment import Environment, Turn, make_environment
 

@@ -31,8 +31,8 @@ import msgpack
 from common import grader_names
 from common.config import ConfigError, GraderConfig
 from common.metrics import GraderErrorKind
-from common.model.generation import completion_text
 from common.procs import die_with_parent, stop_process
+from common.rollout import completion_text
 from grader import build_grader
 from grader.episodes import failed
 from grader.protocol import HEADER as _HEADER

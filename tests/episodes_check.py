@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from common.grpo.logprobs import token_logprobs
-from common.model.generation import Sample
+from common.rollout import Sample
 from grader.environment import ToolEnvironment
 from grader.episodes import Episodes
 

@@ -19,7 +19,8 @@ import threading
 from typing import Any
 
 from actor.recompute import generate_recomputing
-from common.model.generation import Sample, generate
+from common.model.generation import generate
+from common.rollout import Sample
 
 MODES = ("in_place", "retract")
 

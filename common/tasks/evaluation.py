@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.config import GraderConfig
-from common.model.generation import Sample
+from common.rollout import Sample
 from common.tasks import Problem
 
 # (prompts, n, greedy) -> n samples per prompt

@@ -24,7 +24,7 @@ from actor.loop import Actor
 from common.config import RedisConfig, load_config
 from common.grpo.logprobs import scaled_log_softmax
 from common.metrics import ActorMetrics
-from common.model.generation import Sample
+from common.rollout import Sample
 from common.schemas import decode_group
 from common.transport import Transport
 from common.weights import publish

@@ -17,9 +17,9 @@ import pytest
 
 from common.config import RedisConfig, load_config
 from common.metrics import gather_endpoints
-from common.model.generation import Sample
 from common.net import free_port
 from common.procs import wait_until
+from common.rollout import Sample
 from common.schemas import decode_group
 from common.tasks import Problem
 from common.tasks.evaluation import score_problems

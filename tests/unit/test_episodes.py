@@ -11,7 +11,7 @@ from typing import ClassVar
 import pytest
 
 from common.config import EnvConfig
-from common.model.generation import Sample
+from common.rollout import Sample
 from grader.environment import Response, ToolEnvironment, Turn
 from grader.episodes import Episodes, episode_counts, failed
 from ops.tiny_model import build_tokenizer

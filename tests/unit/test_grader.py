@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.model.generation import Sample
+from common.rollout import Sample
 from grader import GRADERS, build_grader, get_grader
 from grader.builtin import gsm8k, gsm8k_final_answer, normalise_number
 from grader.pool import GraderPool

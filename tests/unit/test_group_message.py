@@ -4,7 +4,7 @@ their (version, tokens) runs, so that no token is taken for newer than the weigh
 from __future__ import annotations
 
 from actor.message import group_message
-from common.model.generation import Sample
+from common.rollout import Sample
 from common.schemas import decode_group, encode_group
 from common.tasks import Problem
 

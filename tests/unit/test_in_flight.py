@@ -14,7 +14,7 @@ import torch
 
 from actor.recompute import generate_recomputing, joined, unfinished
 from actor.updates import InFlightUpdates, same_lineage
-from common.model.generation import Sample, version_runs
+from common.rollout import Sample, version_runs
 from common.schemas import Completion, GroupMessage, WeightsAnnouncement
 from learner.batch import assemble, version_spread
 from tests.unit.test_trainer import captured_gradients, groups_of, policy, trainer_for

@@ -8,7 +8,7 @@ from typing import Any
 
 from actor.inflight import InFlight, rounds_in_flight, sampled_aside
 from common.config import load_config
-from common.model.generation import Sample
+from common.rollout import Sample
 from common.tasks import Problem
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from actor.message import group_message
-from common.model.generation import Sample
+from common.rollout import Sample
 from common.schemas import SchemaError, decode_group, encode_group
 from common.tasks import Problem
 from learner.intake import from_rank0, to_ranks

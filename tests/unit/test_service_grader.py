@@ -15,7 +15,7 @@ import pytest
 
 from common.config import ConfigError, load_config
 from common.metrics import GraderErrorKind
-from common.model.generation import Sample
+from common.rollout import Sample
 from grader.pool import GraderPool, open_grader, sample_texts
 from grader.service import ServiceFailure, ServiceGrader, exception_failure, parse_scores, request_body, status_failure
 

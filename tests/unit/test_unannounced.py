@@ -11,7 +11,7 @@ import time
 import pytest
 
 from actor.unannounced import Unannounced, UnannouncedWeights, reply_names
-from common.model.generation import Sample
+from common.rollout import Sample
 
 
 def later(what) -> tuple[threading.Thread, threading.Event]:  # type: ignore[no-untyped-def]
