@@ -18,6 +18,7 @@ from typing import Any, cast
 import numpy as np
 
 from actor.engine_protocol import BetweenRounds, Engine, EngineError, load_if_due
+from actor.identity import take_actor_id
 from actor.inflight import InFlight, Round, rounds_in_flight, sampled_aside
 from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
 from actor.outgoing import FILTERED_ZERO_STD, Outgoing, RoundEncoder
@@ -30,7 +31,7 @@ from common.model.limits import message_byte_limit
 from common.rollout import Sample
 from common.schemas import FORWARDED, SchemaError, WeightsAnnouncement
 from common.tasks import Problem, PromptEncoder, make_task
-from common.transport import ActorTransport, Admission, ClaimLost, round_fits
+from common.transport import ActorTransport, Admission, ClaimLost, Superseded, round_fits
 from common.weights import WeightsError
 from grader.episodes import Episodes, episode_counts
 from grader.pool import GraderPool
@@ -86,6 +87,7 @@ class Actor:
         self._beats_stop = threading.Event()
         self._pubsub: Any = None
         self._warned_nccl = False
+        self.superseded = False  # a newer process took this actor's id: it stops (common.transport.Superseded)
         self.receiver: Receiver | None = None  # weights.transport nccl, with an engine that takes weights that way
         if cfg.weights.transport == "nccl" and supports_nccl(engine):
             self.receiver = Receiver(cfg, actor_id, transport, cast(NcclEngine, engine), metrics, self.stop)
@@ -94,6 +96,8 @@ class Actor:
 
     def run(self) -> str:
         """Returns why it stopped."""
+        if not take_actor_id(self.transport, self.id, self.stop, self.liveness):
+            return "asked to stop"
         self._pubsub = self.transport.subscribe_weights()
         beats = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
         beats.start()
@@ -109,21 +113,22 @@ class Actor:
                 if self.engine.version < 0:  # a version arrived in part: sample nothing until a whole one is loaded
                     self._wait(lambda: self.engine.version < 0, doing="waiting for a whole version")
                     continue
-                rnd = self.next_round()
-                if rnd is None:
-                    continue
-                self.send(rnd, self.grade(rnd.problems, rnd.samples))
-                if self.cfg.actor.synchronous:
-                    self.wait_for_new_version()
+                if (rnd := self.next_round()) is not None:
+                    self.send(rnd, self.grade(rnd.problems, rnd.samples))
+                    if self.cfg.actor.synchronous:
+                        self.wait_for_new_version()
             self._send_rounds_in_flight()
             return "asked to stop"
+        except Superseded:
+            self.superseded = True  # what is registered under the id from now on is the newer process's
+            raise
         finally:
             self._beats_stop.set()
             beats.join()
             self.in_flight.close()
             self._release_round()
             self._pubsub.close()
-            if self.receiver is not None:
+            if self.receiver is not None and not self.superseded:
                 self.receiver.unregister()
 
     # -- steps --------------------------------------------------------------------------------------------------
@@ -275,10 +280,11 @@ class Actor:
         return self.transport.reserve_round(holder, need, version, self.admission, self.cfg.run.heartbeat_ttl_s)
 
     def _release_round(self) -> None:
-        """Best effort, on the way out (Redis may be what failed): a reservation left behind ends with its lease."""
+        """Best effort, on the way out (Redis may be what failed): a reservation left behind ends with its lease. A
+        superseded process gives back its own claims and leaves the reservations, now the newer process's."""
         try:
             for holder in self.in_flight.holders():
-                self.transport.release_round(holder)
+                self.transport.release_round(holder, reservation=not self.superseded)
         except Exception as e:
             log.debug("releasing the rounds' reservations: %s", e)
 
@@ -438,8 +444,8 @@ class Actor:
             self.metrics.groups_forwarded.inc(out.counters[FORWARDED])
 
     def _discard(self, out: Outgoing, reason: str, holder: str) -> None:
-        """A round that will not be sent: counted as ``groups_discarded:<reason>`` (with the round's other counters
-        and what it filtered), so that the sampling it cost shows."""
+        """A round that will not be sent: counted as ``groups_discarded:<reason>`` (with its other counters and what
+        it filtered)."""
         log.warning("discarding a round of %d groups: %s", len(out.payloads) + out.unsent, reason.replace("_", " "))
         try:
             self.transport.produce([], dict(out.discarded(reason)), holder=holder, filtered=out.filtered, claim=True)
@@ -455,11 +461,9 @@ class Actor:
         return bool(rnd.refused)
 
     def _claim_lost(self, out: Outgoing | None, holder: str, e: ClaimLost) -> None:
-        """The round's positions went to other actors while this one was gone past its lease (frozen, cut off from
-        Redis): sent, they would repeat prompts another round is sampling. Its groups are discarded, counted as
-        ``groups_discarded:claim_lost`` with what the round filtered (the sampling it cost); its positions are
-        counted where they went (``prompts_requeued:lost``), so none of its ``prompts_*`` counters is written.
-        ``out`` is None for a round lost while it was still drawing its positions (difficulty sampling)."""
+        """The round's positions went to other actors while this one was gone past its lease: sent, they would repeat
+        prompts. Its groups are discarded (``groups_discarded:claim_lost``, with what it filtered); its positions are
+        counted where they went (``prompts_requeued:lost``). ``out`` None: a round still drawing (difficulty)."""
         what = "a round still drawing its prompts" if out is None else f"a round of {len(out.payloads)} groups"
         log.warning("discarding %s: %s (this actor was stopped or cut off for longer than run.heartbeat_ttl_s; "
                     "other actors draw its prompts again)", what, e)  # fmt: skip
@@ -486,9 +490,8 @@ class Actor:
                 self.receiver.register()
 
     def _beat_forever(self) -> None:
-        """The heartbeat thread: sampling and grading a round may take longer than the TTL, and an actor whose key
-        expires leaves the NCCL update group (and ``grpo status``) while it works. A failed beat is logged and tried
-        again; the loop meets the same Redis and decides whether to give up."""
+        """The heartbeat thread: a round may take longer than the TTL, and an actor whose key expires leaves the NCCL
+        update group (and ``grpo status``) while it works. A failed beat is logged and tried again."""
         every = self.cfg.run.heartbeat_ttl_s / 6  # well within the third of the TTL a beat is due after
         while not self._beats_stop.wait(every):
             try:

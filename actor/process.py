@@ -38,10 +38,6 @@ def run_actor(cfg: Config) -> int:
         cfg.redis, cfg.run.name, on_error=metrics.errors.inc, on_reconnect=metrics.reconnects.inc
     )
     transport.ping()
-    # An earlier process still running under this id (frozen, or configured alike) is refused its next draw and stops.
-    if (generation := transport.take_name(actor_id)) > 1:
-        log.info("actor %s: this id was taken %d times before; a process still running under it stops at its next "
-                 "draw", actor_id, generation - 1)  # fmt: skip
     if (g := cfg.sampling.group_size) <= 3:
         log.warning("group size %d: with so few answers grader noise becomes a full ±1 advantage", g)
 

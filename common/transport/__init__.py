@@ -20,8 +20,8 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 ``prompts:choices``    hash        ``taken:<pool>``, ``passed:<pool>``: cursor positions the difficulty sampler took or
                                    passed over
 ``actors:<id>``        string+TTL  heartbeat (JSON, common.schemas.Heartbeat)
-``actor_ids``          hash        actor id -> the generation of the newest process that took it: an older process
-                                   under the id is refused its next draw (common.transport.prompts.Superseded)
+``actor_ids``          hash        actor id -> the generation of the newest process that took it (actor.identity):
+                                   an older process under the id is refused its next draw (transport.prompts.Superseded)
 ``stats``              hash        durable counters (common.schemas.RunCounters), see below
 ``done``               string      set by the learner after its last step (common.schemas.DoneMark); actors exit then
 ``trained_ids``        sorted set  group ids trained on, by step (a bounded window), to train a duplicate once

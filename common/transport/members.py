@@ -27,6 +27,12 @@ class Member(Connection):
         body = Heartbeat(os.getpid(), time.time(), **info).encode()
         self._do(lambda: self.client.set(self.keys.actor(actor_id), body, px=max(1, int(ttl_s * 1000))))
 
+    def heartbeat_left_s(self, actor_id: str) -> float | None:
+        """How long ``actor_id``'s heartbeat key has left to live, or None where there is none (no process beats under
+        that id, or the last one's lapsed)."""
+        ms = int(self._do(lambda: self.client.pttl(self.keys.actor(actor_id))))
+        return None if ms == -2 else max(ms, 0) / 1000  # (-1, a key without a TTL: set by hand, alive)
+
     def nccl_register(self, member: str, info: dict[str, Any]) -> None:
         """An actor whose engine can take weights over NCCL says so (again every heartbeat and whenever it joins or
         leaves a group): ``info`` holds its server's ``ranks``, a ``nonce`` of its process and the ``group`` it is

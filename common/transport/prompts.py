@@ -14,9 +14,10 @@ claim, and every position drawn is accounted for (common.schemas.prompts: the fo
   actor lets go of by :meth:`Drawing.release_round` (``prompts_requeued:released``), and a claim left by an earlier
   process under the same holder name by that holder's next round: those positions are drawn again before any new
   one, so a dead actor's prompts are neither skipped nor silently repeated.
-- Each process takes its actor id at start (:meth:`Drawing.take_name`: a generation one above the last, in
-  ``actor_ids``); one whose id a newer process has taken since is refused its next draw (:class:`Superseded`) and
-  stops, since each new round of two live processes under one name would give back the other's live claim.
+- Each process takes its actor id (:meth:`Drawing.take_name`: a generation one above the last, in ``actor_ids``),
+  once no process beats under it (actor.identity); one whose id a newer process has taken since (it was frozen past
+  its heartbeat) is refused its next draw (:class:`Superseded`) and stops, since each new round of two live
+  processes under one name would give back the other's live claim.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, cast
 import redis
 
 from common.schemas import PromptClaim, PromptCounters, RunCounters, claims_of
-from common.transport.connection import Connection, Lua, call_token
+from common.transport.connection import Connection, Lua, TransportError, call_token
 from common.transport.lease import LeaseLost
 
 # A claim value's parts (PromptClaim's form "<lease end ms> r<round> <positions>"): the lease's end, the token of the
@@ -77,7 +78,7 @@ _DRAW = (
     + """
 -- A process whose actor id a newer process has taken since (started while this one was frozen, or configured alike)
 -- draws nothing more: each new round of either would give back the other's live claim, and neither would send.
-if ARGV[7] ~= '' and tonumber(redis.call('HGET', KEYS[6], ARGV[7]) or '0') > tonumber(ARGV[8]) then
+if ARGV[7] ~= '' and (tonumber(redis.call('HGET', KEYS[6], ARGV[7]) or '0') or 0) > tonumber(ARGV[8]) then
   return redis.error_reply('superseded: a newer process took actor id ' .. ARGV[7])
 end
 -- The same call sent again after its reply was lost (the connection dropped once Redis had run it): it answers what
@@ -140,13 +141,14 @@ return taken
 """
 )
 
-# Let holder ARGV[1]'s round ARGV[2] go unsampled: its reservation ends, its positions are given back (released). A
-# claim of another round under the holder's name (a process started since with the same name) is not this one's to
-# give. KEYS: inflight, claims, redraw, stats.
+# Let holder ARGV[1]'s round ARGV[2] go unsampled: its reservation ends (unless ARGV[3] is '0': a process whose id a
+# newer one took leaves the reservation, which is the newer one's), its positions are given back (released). A claim
+# of another round under the holder's name (a process started since with the same name) is not this one's to give.
+# KEYS: inflight, claims, redraw, stats.
 _RELEASE = (
     _REQUEUE_LUA
     + """
-redis.call('HDEL', KEYS[1], ARGV[1])
+if ARGV[3] ~= '0' then redis.call('HDEL', KEYS[1], ARGV[1]) end
 local mine = redis.call('HGET', KEYS[2], ARGV[1])
 if mine and select(2, claim_parts(mine)) == ARGV[2] then
   requeue(mine, 'released', KEYS[3], KEYS[4])
@@ -187,7 +189,10 @@ class Drawing(Connection):
         """This process draws as ``actor_id`` from now on, under a generation one above the last process's that took
         it (``actor_ids``): an earlier process still running under the id is refused its next draw
         (:class:`Superseded`). Returns the generation; above 1, the id was used before (a restart, or a twin)."""
-        generation = int(self._do(lambda: self.client.hincrby(self.keys.actor_ids, actor_id, 1)))
+        try:
+            generation = int(self._do(lambda: self.client.hincrby(self.keys.actor_ids, actor_id, 1)))
+        except redis.ResponseError as e:  # (a value or key of another kind, written by hand)
+            raise TransportError(f"{self.keys.actor_ids}.{actor_id} cannot be read ({e}): delete it") from None
         self.rounds.name, self.rounds.generation = actor_id, generation
         return generation
 
@@ -211,11 +216,13 @@ class Drawing(Connection):
             raise claim_lost(e) or superseded(e) or e from None
         return [int(p) for p in cast(list, drawn)]
 
-    def release_round(self, holder: str) -> None:
+    def release_round(self, holder: str, *, reservation: bool = True) -> None:
         """Give up ``holder``'s reservation and the positions it claimed (a round it will not sample or send): they
-        are drawn again by the next round of any actor."""
+        are drawn again by the next round of any actor. ``reservation`` False: the claim alone (a process whose id a
+        newer one took: the reservation under the name is the newer one's)."""
         keys = [self.keys.inflight, self.keys.prompts_claims, self.keys.prompts_redraw, self.keys.stats]
-        self._do(lambda: self._release_script(keys=keys, args=[holder, self.rounds.of(holder)]))
+        args = [holder, self.rounds.of(holder), "1" if reservation else "0"]
+        self._do(lambda: self._release_script(keys=keys, args=args))
 
 
 @dataclass(frozen=True)

@@ -60,24 +60,35 @@ def test_an_actor_frozen_past_its_lease_loses_its_round_not_its_prompts(demo_mod
     assert pb.counters.trained == b.trained and pb.counters.retrained == 0, pb.counters
 
 
-def test_of_two_actors_under_one_id_the_older_stops_and_the_newer_samples_on(demo_model_dir: Path, redis_url: str,
-                                                                             tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
-    """Two live processes under one ``actor.id`` (one started while the other was frozen, or two configured alike):
-    each new round of either gave back the other's live claim, so neither sent. The older one stops, exit 5 in one
-    line, before its next draw; the newer one samples on, and the run finishes with both equations balanced."""
+def test_of_two_actors_under_one_id_the_newer_samples_and_the_woken_one_stops(demo_model_dir: Path, redis_url: str,
+                                                                              tmp_path: Path, processes) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """Two processes under one ``actor.id``: each new round of either gave back the other's live claim, so neither
+    sent. A process frozen past its heartbeat and lease is replaced: the newer one takes the id once the frozen one's
+    heartbeat has lapsed and samples; the frozen one, woken, is refused its next draw and stops (exit 5, one line).
+    A third process configured with the same id while the newer one lives waits for it, disturbing nothing. The run
+    finishes with both equations balanced."""
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     args = run_settings(redis_url, demo_model_dir, run_dir, "twin-actors", STEPS, BATCH, "learner.min_step_s=0.5",
                         "actor.filter_zero_std=false", "actor.id=twin")  # fmt: skip
     t = Transport(RedisConfig(url=redis_url), "twin-actors")
     learner = processes.grpo("learner", *args, log=logs / "learner.log")
-    first = processes.grpo("actor", *args, log=logs / "first.log")
+    frozen = processes.grpo("actor", *args, log=logs / "frozen.log")
     assert wait_until(lambda: (a := t.latest_weights()) is not None and a.version >= 2, 240), _tail(logs)
-    second = processes.grpo("actor", *args, log=logs / "second.log")
-    assert first.wait(timeout=120) == 5, _tail(logs)
-    assert learner.wait(timeout=300) == 0 and second.wait(timeout=60) == 0, _tail(logs)
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        newer = processes.grpo("actor", *args, log=logs / "newer.log")
+        assert wait_until(lambda: t.client.hget(t.keys.actor_ids, "twin") == b"2", 120), _tail(logs)
+        sent = t.prompt_balance().counters.sent
+        assert wait_until(lambda: t.prompt_balance().counters.sent > sent, 120), _tail(logs)  # the newer one sends
+        third = processes.grpo("actor", *args, log=logs / "third.log")
+        assert wait_until(lambda: "actor.id twin is taken" in (logs / "third.log").read_text(), 120), _tail(logs)
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    assert frozen.wait(timeout=120) == 5, _tail(logs)
+    assert learner.wait(timeout=300) == 0 and newer.wait(timeout=60) == 0 and third.wait(timeout=60) == 0, _tail(logs)
 
-    text = (logs / "first.log").read_text()
+    text = (logs / "frozen.log").read_text()
     assert "stopped: a newer process took actor id twin" in text and "Traceback" not in text, text[-3000:]
     b, pb = read_balance(t), t.prompt_balance()
     assert b.unexplained == 0 and b.trained == STEPS * BATCH, b.equation()

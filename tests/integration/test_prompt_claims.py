@@ -11,7 +11,7 @@ import pytest
 
 from common.config import RedisConfig
 from common.schemas import PromptClaim, SchemaError
-from common.transport import ClaimLost, LeaseLost, Superseded, Transport, read_balance
+from common.transport import Admission, ClaimLost, LeaseLost, Superseded, Transport, read_balance
 
 pytestmark = pytest.mark.integration
 
@@ -169,6 +169,10 @@ def test_a_process_whose_actor_id_a_newer_one_took_is_refused_its_next_draw(redi
         old.next_prompts(1, "actor-1", 60, new_round=False)
     pb = new.prompt_balance()
     assert pb.claims["actor-1"].positions == (2, 3) and not pb.counters.requeued, pb.equation()
+    # On its way out it gives back only what is its own: the reservation under the name is the newer one's.
+    assert new.reserve_round("actor-1", 2, 0, Admission(100, 2, 4), 60)
+    old.release_round("actor-1", reservation=False)
+    assert new.client.hexists(new.keys.inflight, "actor-1") and "actor-1" in new.prompt_balance().claims
     settled(new, "actor-1", 2)
     assert new.prompt_balance().counters.sent == 4 and new.prompt_balance().unexplained == 0
     assert isinstance(Superseded("x"), LeaseLost)  # grpo's exit code 5, one line, as for a fenced-out learner
@@ -226,3 +230,23 @@ def test_the_claim_form_round_trips_as_ranges() -> None:
     for bad in ("x 1", "5 1,,2", "5 3-1", "5 1-", "5 rx 1", "5 r 1"):
         with pytest.raises(SchemaError):
             PromptClaim.decode(bad)
+
+
+def test_an_actor_takes_its_id_only_once_no_process_beats_under_it(redis_url: str) -> None:
+    """A restarted actor waits for its earlier self's heartbeat to lapse; one configured with a live one's id waits
+    for as long as that one lives, and stops waiting when asked to stop."""
+    import threading
+
+    from actor.identity import take_actor_id
+    from common.liveness import Liveness
+
+    t = transport(redis_url)
+    t.heartbeat("actor-1", 0.6, {})
+    started = time.monotonic()
+    assert take_actor_id(t, "actor-1", threading.Event(), Liveness(60))
+    assert time.monotonic() - started >= 0.4 and t.client.hget(t.keys.actor_ids, "actor-1") == b"1"
+    t.heartbeat("actor-1", 60, {})  # alive
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    assert not take_actor_id(transport(redis_url), "actor-1", stop, Liveness(60))
+    assert t.client.hget(t.keys.actor_ids, "actor-1") == b"1"  # not taken
