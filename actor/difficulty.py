@@ -43,7 +43,7 @@ def appended(history: str, new: str, window: int) -> str:
 
 
 def pool(history: str) -> str:
-    """Which pool (common.metrics.PromptPool) a problem is in, by its history: unseen, informative (a recent group
+    """Which pool (common.schemas.PromptPool) a problem is in, by its history: unseen, informative (a recent group
     taught something), solved (all recent groups all right), unsolved (all all wrong), flipping (all right and all
     wrong by turns, never mixed)."""
     if not history:

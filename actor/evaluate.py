@@ -116,8 +116,8 @@ def evaluate(cfg: Any, n: int, adapter: Any = None) -> dict[str, Any]:
     from common.model.importing import prepare_model_path
     from common.tasks import PromptEncoder, eval_problems
     from common.tasks.evaluation import correctness, score_problems, summarise
-    from grader.episodes import episode_generate, open_episodes
-    from grader.pool import open_grader
+    from env.episodes import episode_generate, open_episodes
+    from grader.open import open_grader
 
     torch.set_num_threads(cfg.actor.torch_threads)
     prepare_model_path(cfg)

@@ -26,7 +26,7 @@ from actor.unannounced import UnannouncedWeights
 from common.config import Config
 from common.rollout import Sample
 from common.tasks import Problem
-from grader.episodes import Episodes
+from env.episodes import Episodes
 
 
 @dataclass
@@ -63,7 +63,7 @@ class InFlight:
         self.id = actor_id
         self.engine = engine
         self.k = k
-        self.episodes = episodes  # env.name tool: a round's samples are whole episodes (grader.episodes)
+        self.episodes = episodes  # env.name tool: a round's samples are whole episodes (env.episodes)
         self.pending: deque[Round] = deque()
         self._pool = ThreadPoolExecutor(k, thread_name_prefix="generate") if k > 1 or aside else None
 

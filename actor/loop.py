@@ -28,13 +28,12 @@ from common.config import Config
 from common.liveness import Liveness
 from common.metrics import ActorMetrics
 from common.model.limits import message_byte_limit
-from common.rollout import Sample
+from common.rollout import Sample, SampleGrader
 from common.schemas import FORWARDED, SchemaError, WeightsAnnouncement
 from common.tasks import Problem, PromptEncoder, make_task
 from common.transport import ActorTransport, Admission, ClaimLost, Superseded, round_fits
 from common.weights import WeightsError
-from grader.episodes import Episodes, episode_counts
-from grader.pool import GraderPool
+from env.episodes import Episodes, episode_counts
 
 log = logging.getLogger("actor")
 
@@ -46,7 +45,7 @@ class Actor:
         actor_id: str,
         transport: ActorTransport,
         engine: Engine,
-        grader: GraderPool,
+        grader: SampleGrader,
         metrics: ActorMetrics,
         prompt_limit: int | None = None,
         episodes: Episodes | None = None,

@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import time
-from typing import get_args
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -18,12 +17,13 @@ from actor.engine_protocol import Engine, EngineError
 from actor.loop import Actor
 from common.config import Config
 from common.liveness import Liveness
-from common.metrics import ActorMetrics, EpisodeEnd, MetricsServer, process_registry, register_endpoint
+from common.metrics import ActorMetrics, MetricsServer, process_registry, register_endpoint
 from common.model.importing import prepare_model_path
 from common.model.limits import prompt_token_limit
+from common.rollout import END_REASONS
 from common.transport import ActorTransport
-from grader.episodes import Episodes, open_episodes
-from grader.pool import open_grader
+from env.episodes import Episodes, open_episodes
+from grader.open import open_grader
 
 log = logging.getLogger("actor")
 
@@ -96,10 +96,7 @@ def time_split(registry: CollectorRegistry, seconds: float) -> str:
 def episode_ends(registry: CollectorRegistry) -> str:
     """``env.name`` tool: how the actor's episodes ended and the tool calls answered, for its last log line (empty
     without episodes)."""
-    ends = {
-        end: int(registry.get_sample_value("grpo_actor_episodes_total", {"end": end}) or 0)
-        for end in get_args(EpisodeEnd)
-    }
+    ends = {end: int(registry.get_sample_value("grpo_actor_episodes_total", {"end": end}) or 0) for end in END_REASONS}
     if not any(ends.values()):
         return ""
     calls = int(registry.get_sample_value("grpo_actor_tool_calls_total") or 0)

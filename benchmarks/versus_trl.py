@@ -197,7 +197,7 @@ def trl(setting: Setting, model_dir: Path, steps: int, seed: int, root: Path) ->
     from common.tasks import PromptEncoder, make_task
     from common.tasks.evaluation import score_problems, summarise
     from grader import builtin
-    from grader.pool import open_grader
+    from grader.open import open_grader
 
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames, inside TRL

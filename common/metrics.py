@@ -37,7 +37,8 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from common.schemas import DropReason
+from common.rollout import EpisodeEnd, GraderErrorKind
+from common.schemas import DropReason, PromptPool
 
 log = logging.getLogger(__name__)
 
@@ -47,31 +48,14 @@ disable_created_metrics()
 
 DISTRIBUTION = "grpo-pipeline"  # pyproject.toml's name: grpo_build_info's version is this distribution's
 
-# The label values each labelled counter can take: the producers are typed with these (see the module docstring).
+# The label values each labelled counter can take: the producers are typed with these (see the module docstring);
+# those of a concept of their own live beside it (common.rollout: EpisodeEnd, GraderErrorKind; common.schemas:
+# DropReason, PromptPool).
 FilterReason = Literal["zero_std"]
-# grader.name=service adds its own: a batch that timed out, found no server, got an HTTP error or an answer that is not
-# {"scores": [...]} of the right length, after its retries (docs/tasks.md: Rewards from a service).
-GraderErrorKind = Literal[
-    "timeout",
-    "memory",  # past the worker's memory limit (grader.memory_mb, env.memory_mb)
-    "exception",
-    "invalid",
-    "crash",
-    "service_timeout",
-    "service_unreachable",
-    "service_http",
-    "service_invalid",
-    "service_budget",  # not sent: the round's grader.round_budget_s was spent before its batch's turn
-]
-# How an episode ended (grader.episodes.END_REASONS, the label values of grpo_actor_episodes_total).
-EpisodeEnd = Literal[
-    "answer", "max_turns", "length", "tool_timeout", "tool_crash", "tool_memory", "tool_exception", "tool_invalid"
-]
 WeightLoadFailure = Literal["unreadable", "mismatch", "path"]
 BroadcastFallback = Literal["no_members", "not_ready", "join", "broadcast", "error"]
 EngineEvent = Literal["cache_flush_retry", "version_from_reply"]
 AlarmKind = Literal["clip_ratio", "zero_std"]
-PromptPool = Literal["unseen", "informative", "solved", "unsolved", "flipping"]  # actor.difficulty's pools
 
 # Two bucket sets. Steps, generation rounds and grading take milliseconds to a minute. Moving whole weights does not:
 # a 70B-parameter model is 140 GB in bf16 and its checkpoint (optimizer state included) about four times that; at
@@ -242,7 +226,7 @@ class ActorMetrics(RedisMetrics):
             for kind, what in (("taken", "drew"), ("passed", "passed over"))
         )  # fmt: skip
         self.completions = Counter("grpo_actor_completions", "completions generated", registry=r)
-        # env.name tool: how episodes ended (grader.episodes.END_REASONS), and the tool calls answered in them
+        # env.name tool: how episodes ended (common.rollout.EpisodeEnd), and the tool calls answered in them
         self.episodes = _at_zero(
             Counter("grpo_actor_episodes", "episodes sampled, by how they ended", ["end"], registry=r), EpisodeEnd
         )

@@ -32,6 +32,7 @@ COPY common ./common
 COPY actor ./actor
 COPY learner ./learner
 COPY grader ./grader
+COPY env ./env
 # The operator's commands too: `grpo status` and `grpo dead` run from inside a container.
 COPY ops ./ops
 RUN sh /tmp/deps/pip.sh install --no-deps . && rm -rf /tmp/deps \

@@ -1,6 +1,6 @@
 """What a grader worker and its pool share: msgpack frames and the check of a grader's return value.
 
-Kept apart from :mod:`grader.pool` so that the worker process imports only this, the graders and what the graders
+Kept apart from :mod:`grader.session` so that the worker process imports only this, the graders and what the graders
 themselves need (the standard library and msgpack), never the learner's or the actor's libraries (torch).
 """
 
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 
-if TYPE_CHECKING:  # the error kinds' one list, also the label values of grpo_actor_grader_errors_total
-    from common.metrics import GraderErrorKind
+from common.rollout import GraderErrorKind  # (torch-free: the worker process may import it)
 
 HEADER = struct.Struct(">I")
 

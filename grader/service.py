@@ -52,8 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from common.metrics import GraderErrorKind
-from grader.pool import GradeResult, GraderPool, require_stopped, sample_texts
+from common.rollout import GraderErrorKind, GradeResult, Sample, sample_texts, unjudged_zeros
 from grader.protocol import check_score
 from grader.timed_http import Resolver, post
 
@@ -123,10 +122,10 @@ def exception_failure(e: Exception, timeout_s: float) -> ServiceFailure:
     raise e
 
 
-class ServiceGrader(GraderPool):
-    """Grades through a scoring service (see the module docstring), with the interface of :class:`GraderPool` that
-    the actor and the evaluation use (``grade``, ``grade_samples``, ``close``, a context manager), so a role takes
-    either from :func:`grader.pool.open_grader`. It holds no connection or process between calls."""
+class ServiceGrader:
+    """Grades through a scoring service (see the module docstring): a :class:`common.rollout.SampleGrader`, as the
+    worker pool is, so a role takes either from :func:`grader.open.open_grader`. It holds no connection or process
+    between calls."""
 
     def __init__(
         self,
@@ -139,7 +138,6 @@ class ServiceGrader(GraderPool):
         round_budget_s: float = 0.0,
         sleep: Callable[[float], None] = time.sleep,
     ):
-        # GraderPool.__init__ is not called: there is no grader function to build and no worker to start.
         self.name = "service"
         self.url = url
         self.timeout_s = timeout_s
@@ -217,28 +215,30 @@ class ServiceGrader(GraderPool):
     def grade_samples(
         self,
         tokenizer: Any,
-        samples: list[Any],
-        references: list[str],
+        samples: Sequence[Sample],
+        references: Sequence[str],
         *,
         require_stop: bool,
-        prompts: list[str] | None = None,
+        prompts: Sequence[str] | None = None,
     ) -> GradeResult:
-        """Rewards of generated samples, graded as :meth:`GraderPool.grade_samples` grades them; with
-        ``require_stop`` only the answers that stopped are sent (the others score 0 whatever the scorer says, and a
-        judge's time is the dear part)."""
+        """common.rollout.SampleGrader's; with ``require_stop`` only the answers that stopped are sent (the others
+        score 0 whatever the scorer says, and a judge's time is the dear part)."""
         if len(references) != len(samples) or (prompts is not None and len(prompts) != len(samples)):
             raise ValueError(f"{len(samples)} samples, {len(references)} references, prompts: {prompts is not None}")
         texts = sample_texts(tokenizer, samples)
-        asked = prompts if prompts is not None else [None] * len(samples)
+        asked: Sequence[str | None] = prompts if prompts is not None else [None] * len(samples)
         sent = [i for i, s in enumerate(samples) if not require_stop or s.finish_reason == "stop"]
         graded = self.grade([(texts[i], references[i]) for i in sent], [asked[i] for i in sent])
         result = GradeResult([0.0] * len(samples), graded.errors)
         for i, score in zip(sent, graded.scores, strict=True):
             result.scores[i] = score
-        return require_stopped(samples, result, require_stop=require_stop)
+        return unjudged_zeros(samples, result, require_stop=require_stop)
 
     def close(self) -> None:
         """Nothing to release: every request has its own connection."""
 
     def __enter__(self) -> ServiceGrader:
         return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,13 +1,13 @@
 """``python -m grader.worker NAME|SPEC_JSON``: grade frames from stdin, write one result frame per answer to stdout.
 
 Request: a list of ``[completion, reference]``. Reply per answer, in order: ``[index, score, error_kind | None]``.
-Started and killed by :class:`grader.pool.GraderPool`; msgpack frames, never pickle.
+Started and killed by :class:`grader.session.Session`; msgpack frames, never pickle.
 
-With a spec ``{"tool": NAME, "max_chars": N}`` it runs a tool instead (:class:`grader.tools.ToolPool`): request a
-list of calls (text), reply per call ``[index, result | None, error_kind | None]``.
+With a spec ``{"tool": "module.path:function", "max_chars": N}`` it runs a tool instead (env.tools.ToolPool's):
+request a list of calls (text), reply per call ``[index, result | None, error_kind | None]``.
 
-The worker imports only the graders and :mod:`grader.protocol` (never :mod:`grader.pool`, whose imports bring in
-torch: hundreds of megabytes and seconds per restart), and it warms up before it says "ready": a grader's first call
+The worker imports only the graders and :mod:`grader.protocol` (never the roles' libraries, torch:
+hundreds of megabytes and seconds per restart), and it warms up before it says "ready": a grader's first call
 imports what it needs (math-verify pulls in sympy) and builds its parsers, which must not count against the first
 answer's time limit.
 """
@@ -50,10 +50,10 @@ def main() -> int:
 
 
 def serve_tool(spec: dict[str, Any], stdin: Any, stdout: Any) -> int:
+    from grader import import_function
     from grader.protocol import read_frame_blocking, run_tool, write_frame
-    from grader.tools import get_tool
 
-    fn, max_chars = get_tool(spec["tool"]), int(spec["max_chars"])
+    fn, max_chars = import_function(spec["tool"], "tool", "calculator"), int(spec["max_chars"])
     run_tool(fn, "1", max_chars)  # warm: what its first call imports does not count against a call's time limit
     write_frame(stdout, "ready")
     while (batch := read_frame_blocking(stdin)) is not None:

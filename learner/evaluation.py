@@ -16,10 +16,10 @@ from common.config import Config
 from common.cores import CoreBorrower
 from common.metrics import LearnerMetrics
 from common.model.generation import generate
+from common.rollout import SampleGrader
 from common.tasks import PromptEncoder, eval_problems
 from common.tasks.evaluation import score_problems, summarise
-from grader.episodes import episode_generate, open_episodes
-from grader.pool import GraderPool
+from env.episodes import episode_generate, open_episodes
 
 
 class Evaluator:
@@ -28,7 +28,7 @@ class Evaluator:
         cfg: Config,
         model: Any,
         tokenizer: Any,
-        grader: GraderPool,
+        grader: SampleGrader,
         metrics: LearnerMetrics,
         stop_ids: set[int],
         pad_id: int,

@@ -30,9 +30,10 @@ from common.model.generation import pad_token_id, stop_token_ids
 from common.model.importing import prepare_model_path
 from common.model.loading import load_pretrained
 from common.model.lora import peft_config, wrap
+from common.rollout import SampleGrader
 from common.tasks.evaluation import correctness
 from common.transport import LearnerTransport
-from grader.pool import GraderPool, open_grader
+from grader.open import open_grader
 from learner import checkpoint
 from learner.distributed import Ranks
 from learner.evaluation import Evaluator
@@ -55,7 +56,7 @@ class Learner:
         transport: LearnerTransport | None,
         model: Any,
         tokenizer: Any,
-        grader: GraderPool,
+        grader: SampleGrader,
         metrics: LearnerMetrics,
         reference: Any = None,
         ranks: Ranks | None = None,

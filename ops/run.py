@@ -162,7 +162,7 @@ class Run:
         if self.cfg.env.name == "tool" and Path(self.cfg.model.path).is_dir():
             from transformers import AutoTokenizer
 
-            from grader.environment import call_close_id
+            from env.environment import call_close_id
 
             call_close_id(self.cfg.env, AutoTokenizer.from_pretrained(self.cfg.model.path))
 

@@ -14,8 +14,8 @@ import torch
 
 from common.grpo.logprobs import token_logprobs
 from common.rollout import Sample
-from grader.environment import ToolEnvironment
-from grader.episodes import Episodes
+from env.environment import ToolEnvironment
+from env.episodes import Episodes
 
 
 class Recorder:

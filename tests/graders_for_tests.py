@@ -73,7 +73,7 @@ def coin_or_never(completion: str, reference: str) -> float:
     return 0.0
 
 
-# Misbehaving tools, importable as ``tests.graders_for_tests:<name>`` by tool worker processes (grader.tools).
+# Misbehaving tools, importable as ``tests.graders_for_tests:<name>`` by tool worker processes (env.tools).
 def tool_hangs_on_x(call: str) -> str:
     if "x" in call:
         time.sleep(3600)
@@ -103,7 +103,7 @@ def calculator_hangs_on_77_dies_on_99(call: str) -> str:
         time.sleep(3600)
     if "99" in call:
         os._exit(3)
-    from grader.calculator import calculator
+    from env.calculator import calculator
 
     return calculator(call)
 

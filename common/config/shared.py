@@ -434,7 +434,7 @@ class MetricsConfig(Section):
 
 
 class EnvConfig(Section):
-    # What an episode is and how the tool runs: grader/environment.py's docstring.
+    # What an episode is and how the tool runs: env/environment.py's docstring.
     name: Literal["single_turn", "tool"] = Field(
         "single_turn",
         description="single_turn: one answer per prompt, graded (no environment); tool: episodes of model turns and "

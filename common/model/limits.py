@@ -31,7 +31,7 @@ def _positions(path: str) -> int | None:
 
 def prompt_token_limit(cfg: Config) -> int | None:
     """``task.max_prompt_tokens``, or the model's positions less the answer's room; None when unknown. The longest
-    prompt an actor samples from, and the longest context an episode's next turn starts from (grader.episodes)."""
+    prompt an actor samples from, and the longest context an episode's next turn starts from (env.episodes)."""
     if cfg.task.max_prompt_tokens:
         return cfg.task.max_prompt_tokens
     positions = max_positions(cfg.model.path)

@@ -131,6 +131,7 @@ from common.schemas.prompts import (
     PromptClaim,
     PromptCounters,
     PromptKind,
+    PromptPool,
     claims_of,
     prompt_counter,
 )
@@ -192,6 +193,7 @@ __all__ = [
     "PromptClaim",
     "PromptCounters",
     "PromptKind",
+    "PromptPool",
     "Reservation",
     "Round",
     "RunCounters",

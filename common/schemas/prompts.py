@@ -35,6 +35,10 @@ PROMPTS_REDRAWN = "prompts_redrawn"  # positions taken again from prompts:redraw
 PROMPTS_TRAINED = "prompts_trained"  # positions marked trained in prompts:trained (the learner's acknowledgement)
 PROMPTS_RETRAINED = "prompts_retrained"  # positions acknowledged trained again within the same pass
 _PLAIN = (PROMPTS_DRAWN, PROMPTS_SENT, PROMPTS_REDRAWN, PROMPTS_TRAINED, PROMPTS_RETRAINED)
+# Difficulty sampling's pools of problems, by their recent groups (actor.difficulty): the ``<pool>`` of the fields
+# ``taken:<pool>`` and ``passed:<pool>`` of the hash ``prompts:choices``, and the label values of
+# grpo_actor_prompts_taken_total and grpo_actor_prompts_passed_total.
+PromptPool = Literal["unseen", "informative", "solved", "unsolved", "flipping"]
 # The largest position the trained bitmap marks (Redis's strings end at 512 MB, 2^32 bits): a run past it goes on,
 # its positions beyond unmarked.
 MAX_MARKED_POSITION = 2**32 - 1

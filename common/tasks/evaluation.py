@@ -17,34 +17,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from common.config import GraderConfig
-from common.rollout import Sample
+from common.rollout import Sample, SampleGrader
 from common.tasks import Problem
 
 # (prompts, n, greedy) -> n samples per prompt
 Generate = Callable[[Sequence[Sequence[int]], int, bool], list[list[Sample]]]
-
-
-class Grades(Protocol):
-    scores: list[float]
-    errors: Counter[str]
-
-
-class SampleGrader(Protocol):
-    def grade_samples(
-        self,
-        tokenizer: Any,
-        samples: list[Any],
-        references: list[str],
-        *,
-        require_stop: bool,
-        prompts: list[str] | None = None,
-    ) -> Grades:
-        """One score per sample, and the grader errors counted by kind; ``prompts`` (one per sample) for graders
-        that read the question, such as a scoring service."""
-        ...
 
 
 def correctness(grader: GraderConfig) -> GraderConfig:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from common.config import load_config
-from grader.episodes import episode_counts
+from env.episodes import episode_counts
 from tests.episodes_check import Recorder, check_turns, learner_gap, run_episodes
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ from common.schemas import decode_group
 from common.tasks import Problem
 from common.tasks.evaluation import score_problems
 from common.transport import Transport
-from grader.pool import open_grader
+from grader.open import open_grader
 from grader.service import ServiceGrader
 from tests.integration.test_actor_flow import sim_actor
 from tests.integration.test_actor_process import metric

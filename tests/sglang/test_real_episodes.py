@@ -12,7 +12,7 @@ import pytest
 from actor.sglang_engine import SGLangEngine
 from common.config import EnvConfig
 from common.model.loading import load_pretrained
-from grader.episodes import episode_counts
+from env.episodes import episode_counts
 from tests.episodes_check import check_turns, learner_gap, run_episodes
 from tests.sglang.test_real_server import LOGPROB_MAX_TOL, LOGPROB_MEAN_TOL
 

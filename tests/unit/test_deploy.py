@@ -292,7 +292,7 @@ def test_the_gsm8k_recipe_reads_gsm8k(shared_dir: Path) -> None:
 
 
 DOCKERFILES = ["Dockerfile", "actor.Dockerfile"]
-PACKAGES = ("common", "actor", "learner", "grader", "ops")
+PACKAGES = ("common", "actor", "learner", "grader", "env", "ops")
 
 
 def instructions(name: str) -> list[tuple[str, str]]:

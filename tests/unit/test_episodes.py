@@ -1,4 +1,4 @@
-"""Episodes (grader.episodes) over a scripted engine and the real tool environment: the token ids of every turn are
+"""Episodes (env.episodes) over a scripted engine and the real tool environment: the token ids of every turn are
 the engine's own, the environment's are appended as it tokenized them, and the mask, log-probs, versions and ends say
 who wrote what."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from common.config import EnvConfig
 from common.rollout import Sample
-from grader.environment import Response, ToolEnvironment, Turn
-from grader.episodes import Episodes, episode_counts, failed
+from env.environment import Response, ToolEnvironment, Turn
+from env.episodes import Episodes, episode_counts
 from ops.tiny_model import build_tokenizer
 
 
@@ -108,8 +108,8 @@ def test_a_failing_tool_ends_its_episode_with_the_reason_and_the_rest_go_on(tok,
     finally:
         env.close()
     bad, good = group
-    assert bad.ended == ended and failed(bad)
-    assert good.ended == "answer" and not failed(good)
+    assert bad.ended == ended and bad.tool_failed
+    assert good.ended == "answer" and not good.tool_failed
     assert good.token_ids == ids(tok, "(ab)") + ids(tok, "=AB;") + ids(tok, "ab") + [eos]
 
 
@@ -166,7 +166,7 @@ def test_a_call_close_of_several_tokens_is_a_config_error(tok):
 
 
 def test_the_calculator_is_arithmetic_only():
-    from grader.calculator import calculator
+    from env.calculator import calculator
 
     assert calculator("37*48") == "1776" and calculator("(1+2)*3") == "9" and calculator("7/7") == "1"
     for bad in ("__import__('os')", "2**1000", "x", "1/0", "", "1e308*1e308"):

@@ -1,7 +1,8 @@
 """Who may import whom, checked on the source (``ast``; nothing of the product is imported).
 
 The parts are layered: ``common/`` is what the roles share and imports none of them; ``grader/`` is a library both
-roles use and imports neither; the actor and the learner meet only through Redis and ``common/``, never importing each
+roles use and imports neither; ``env/`` (multi-turn environments) builds on the grader's worker processes, and the
+grader knows nothing of it; the actor and the learner meet only through Redis and ``common/``, never importing each
 other; and ``ops/``, the operator, knows every part while no part imports it. Imports inside functions count as much
 as those at the top: a lazy import is still a dependency.
 """
@@ -18,8 +19,9 @@ from tests.conftest import REPO
 
 # part -> the top-level packages it must not import
 FORBIDDEN = {
-    "common": ("actor", "learner", "grader", "ops"),
-    "grader": ("actor", "learner", "ops"),
+    "common": ("actor", "learner", "grader", "env", "ops"),
+    "grader": ("actor", "learner", "env", "ops"),
+    "env": ("actor", "learner", "ops"),
     "actor": ("learner", "ops"),
     "learner": ("actor", "ops"),
 }
@@ -72,7 +74,7 @@ def test_the_check_sees_every_form_of_import() -> None:
     )
     found = offences("common", REPO / "common" / "example.py", ast.parse(source))
     assert sorted(int(o.split(":")[1].split()[0]) for o in found) == [1, 2, 3, 5, 6], found
-    assert offences("actor", REPO / "actor" / "example.py", ast.parse("from grader.pool import open_grader\n")) == []
+    assert offences("actor", REPO / "actor" / "example.py", ast.parse("from grader.open import open_grader\n")) == []
 
 
 def names_imported_from(tree: ast.Module, module: str) -> Iterator[tuple[int, str]]:

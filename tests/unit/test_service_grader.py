@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from common.config import ConfigError, load_config
-from common.metrics import GraderErrorKind
-from common.rollout import Sample
-from grader.pool import GraderPool, open_grader, sample_texts
+from common.rollout import GraderErrorKind, Sample, sample_texts
+from grader.open import open_grader
+from grader.pool import GraderPool
 from grader.service import ServiceFailure, ServiceGrader, exception_failure, parse_scores, request_body, status_failure
 
 

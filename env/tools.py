@@ -1,9 +1,10 @@
-"""Tools a model calls in an episode (grader/environment.py), run like graders: in a worker process
-(``python -m grader.worker '{"tool": ...}'``) with a time limit per call and a memory limit, restarted when a call
-hangs or kills it. A tool is a function ``(call: str) -> str``: the call's text as the model wrote it between
-``env.call_open`` and ``env.call_close``, and the result's text that goes back into the episode.
+"""Tools a model calls in an episode (env/environment.py), run like graders: in a worker process
+(``python -m grader.worker '{"tool": "module:function", ...}'``, grader.session) with a time limit per call and a
+memory limit, restarted when a call hangs or kills it. A tool is a function ``(call: str) -> str``: the call's text
+as the model wrote it between ``env.call_open`` and ``env.call_close``, and the result's text that goes back into the
+episode.
 
-Built in: ``calculator`` (:mod:`grader.calculator`). Your own: ``module.path:function``, importable where actors
+Built in: ``calculator`` (:mod:`env.calculator`). Your own: ``module.path:function``, importable where actors
 (and the learner, which evaluates with the tool) run.
 
 A call's outcome is its result, or the reason it failed, counted by kind as grader errors are: ``timeout`` (past
@@ -16,23 +17,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
 
+from common.rollout import GraderErrorKind
 from grader import import_function
-
-if TYPE_CHECKING:  # the worker process that runs tools imports this module: no metrics library there
-    from common.metrics import GraderErrorKind
+from grader.session import Session
 
 Tool = Callable[[str], str]
 
+BUILT_IN = {"calculator": "env.calculator:calculator"}  # a tool's name -> the function the worker imports
 
-def get_tool(name: str) -> Tool:
-    """The built-in ``calculator``, or ``module.path:function``; KeyError naming what is wrong."""
-    if name == "calculator":
-        from grader.calculator import calculator
 
-        return calculator
-    return cast(Tool, import_function(name, "tool", "calculator"))
+def tool_function(name: str) -> str:
+    """``module.path:function`` of the tool ``name`` (the built-in ``calculator``, or a ``module.path:function``),
+    checked importable here, in the caller's process; KeyError naming what is wrong."""
+    spec = BUILT_IN.get(name, name)
+    import_function(spec, "tool", "calculator")
+    return spec
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,9 @@ class ToolPool:
     """Runs calls of one tool in a worker (see the module docstring). Not thread-safe: one per episode runner."""
 
     def __init__(self, tool: str, *, timeout_s: float, memory_mb: int, max_chars: int):
-        from grader.pool import Session  # torch-free here; the pool module is the parent's side
-
-        get_tool(tool)  # fails fast, in the caller's process, on a name that cannot be imported
         self.timeout_s = timeout_s
-        self._session = Session({"tool": tool, "max_chars": max_chars}, memory_mb, "tool worker")
+        spec = {"tool": tool_function(tool), "max_chars": max_chars}  # a name that cannot be imported fails here
+        self._session = Session(spec, memory_mb, "tool worker")
 
     def call(self, calls: list[str]) -> list[ToolResult]:
         if not calls:

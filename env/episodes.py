@@ -14,7 +14,7 @@ DAPO's zero-std filter, the wire and the learner treat an episode as they treat 
   it; a turn that reports none is its reply's version throughout), always: the group leaves them out where every
   episode is one run of the group's version (actor.message);
   ``Sample.answer_from`` is where the last model turn starts (what the grader scores);
-- ``Sample.ended`` says why the episode ended, one of END_REASONS; a ``tool_<kind>`` failure scores it 0.
+- ``Sample.ended`` says why the episode ended (common.rollout.EpisodeEnd); a ``tool_<kind>`` failure scores it 0.
 
 An episode whose context would leave less than a turn's room in the model's positions ends there (``length``).
 """
@@ -26,32 +26,21 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, get_args
+from typing import Any
 
 from common.config import Config
-from common.metrics import EpisodeEnd
 from common.model.limits import prompt_token_limit
 from common.rollout import Sample, merged_runs
 from common.tasks.evaluation import Generate
-from grader.environment import Environment, Turn, make_environment
+from env.environment import Environment, Turn, make_environment
 
 # (contexts, n, greedy) -> (n samples per context, the version the engine reports it generated them with or None)
 TurnGenerate = Callable[[Sequence[Sequence[int]], int, bool], tuple[list[list[Sample]], int | None]]
 
-# answer: the model answered (no call); max_turns: it called in its last turn; length: a turn hit
-# sampling.max_new_tokens, or the context the model's positions; tool_<kind>: the call failed (grader.tools).
-END_REASONS: tuple[str, ...] = get_args(EpisodeEnd)
-TOOL_FAILURES = tuple(r for r in END_REASONS if r.startswith("tool_"))
-
-
-def failed(sample: Sample) -> bool:
-    """An episode a tool failure ended: it scores 0, whatever its last turn says."""
-    return sample.ended in TOOL_FAILURES
-
 
 def episode_counts(samples: Sequence[Sample]) -> tuple[Counter[str], int]:
-    """How the episodes among ``samples`` ended (by END_REASONS), and the environment turns they hold (tool calls
-    answered); nothing for single answers."""
+    """How the episodes among ``samples`` ended (common.rollout.EpisodeEnd), and the environment turns they hold
+    (tool calls answered); nothing for single answers."""
     ends = Counter(s.ended for s in samples if s.ended)
     calls = sum(1 for s in samples for a, b in pairwise(s.mask) if a == 1 and b == 0)
     return ends, calls

@@ -6,7 +6,7 @@ too (an exponent above 64, numbers above 10**100, or a call longer than 200 char
 cannot spend the worker's time or memory; the pool's time and memory limits are the last line behind that.
 
 A refused or malformed call raises ValueError, which ends the episode with the reason ``exception`` (see
-grader/environment.py): the model is rewarded for calls that work.
+env/environment.py): the model is rewarded for calls that work.
 """
 
 from __future__ import annotations

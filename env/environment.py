@@ -1,9 +1,9 @@
-"""Environments: what answers a model's turn in an episode (``env.name``), beside the grader registry.
+"""Environments: what answers a model's turn in an episode (``env.name``).
 
 An episode starts from a prompt and alternates model turns and environment turns (a tool's result, feedback) until
 the environment ends it; its reward is the grader's score of the model's last turn. Token in, token out: the model's
 turns are the exact token ids its engine produced, never decoded and encoded again, and an environment answers with
-token ids of its own (its text tokenized alone), which the episode appends (grader.episodes). The per-token mask
+token ids of its own (its text tokenized alone), which the episode appends (env.episodes). The per-token mask
 that results says which tokens the model wrote (trained, with their behaviour log-probs) and which the environment
 wrote (never trained).
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common.config import ConfigError, EnvConfig
-from grader.tools import ToolPool
+from env.tools import ToolPool
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class Turn:
 
 @dataclass(frozen=True)
 class Response:
-    """The environment's turn to append (token ids), or the episode's end: ``ended`` says why (grader.episodes'
-    END_REASONS; a ``tool_<kind>`` failure scores the episode 0)."""
+    """The environment's turn to append (token ids), or the episode's end: ``ended`` says why
+    (common.rollout.EpisodeEnd; a ``tool_<kind>`` failure scores the episode 0)."""
 
     token_ids: tuple[int, ...] = ()
     ended: str = ""
@@ -50,7 +50,7 @@ class Environment(Protocol):
 
 class ToolEnvironment:
     """A model turn that ends with ``env.call_close`` is a call: the text after its last ``env.call_open`` goes to
-    ``env.tool`` (in a worker, grader.tools), and ``env.result_template`` of the result is the environment's turn. A
+    ``env.tool`` (in a worker, env.tools), and ``env.result_template`` of the result is the environment's turn. A
     turn that ends otherwise (end-of-sequence, the length limit) is the answer, and ends the episode; so does a call
     in turn ``env.max_turns`` (``max_turns``) and a call that fails (``tool_<kind>``, scored 0)."""
 
