@@ -28,22 +28,11 @@ from common.cores import core_borrower
 from common.hardware import describe_device, resolve_bf16
 from common.model.generation import generate, pad_token_id, stop_token_ids
 from common.model.loading import load_pretrained
-from common.model.lora import (
-    adapter_state,
-    base_identity,
-    base_specs,
-    check_base,
-    is_lora,
-    load_adapter,
-    read_config,
-    same_shape,
-    served_config,
-    wrap,
-    wrap_as,
-)
+from common.model.lora import adapter_state, is_lora, same_shape, served_config, wrap, wrap_as
 from common.rollout import Sample, version_runs
 from common.schemas import WeightsAnnouncement
 from common.weights import WeightsError, WeightsMismatch, check_fits, confined, load_into, load_state_dict
+from common.weights.adapters import base_identity, base_specs, check_base, load_adapter, read_config
 from common.weights.nccl import Round, abort_group, close_group, open_group, unflatten, wait_for
 
 log = logging.getLogger(__name__)
@@ -166,7 +155,7 @@ class LocalEngine:
         config = read_config(directory)
         if not is_lora(self.model):
             self._whole_model_between_rounds()
-            self.model = wrap_as(self.model, directory, config)
+            self.model = wrap_as(self.model, config)
         elif not same_shape(served_config(self.model), config):
             self._whole_model_between_rounds()
             self._reshape(directory, config, state)  # another rank, other layers or another alpha
@@ -183,7 +172,7 @@ class LocalEngine:
         """An adapter of another shape or scale than the one served (a run resumed with other settings): the model
         is wrapped anew for it; when it does not fit, the adapter served before is put back as it was."""
         before = (served_config(self.model), adapter_state(self.model))
-        self.model = wrap_as(self.model.unload(), directory, config)
+        self.model = wrap_as(self.model.unload(), config)
         try:
             load_adapter(self.model, state)
         except WeightsError:

@@ -85,8 +85,8 @@ def lora_version(cfg: Any) -> Any:
     loaded into it as the actors load it, verified against its digest; returns its announcement (None for a model
     of whole weights). The config is set for that: model.path, weights.dir, learner.lora's rank and layers."""
     from common.config import ConfigError
-    from common.model.lora import ADAPTER_CONFIG, is_adapter_dir, read_base
     from common.schemas import WeightsAnnouncement
+    from common.weights.adapters import ADAPTER_CONFIG, is_adapter_dir, read_base
 
     version = Path(cfg.model.path)
     if not is_adapter_dir(version):

@@ -48,10 +48,10 @@ from actor.sglang_server import LaunchedServer
 from actor.unannounced import Unannounced, reply_names
 from common.config import Config
 from common.metrics import EngineEvent
-from common.model.lora import base_identity, check_base
 from common.rollout import Sample
 from common.schemas import WeightsAnnouncement
 from common.weights import WeightsError, WeightsMismatch, confined, mismatch, tensor_specs, verify
+from common.weights.adapters import base_identity, check_base
 from common.weights.nccl import Round
 
 log = logging.getLogger(__name__)

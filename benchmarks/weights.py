@@ -30,8 +30,9 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from common.model.lora import load_adapter, peft_config, wrap  # noqa: E402
+from common.model.lora import peft_config, wrap  # noqa: E402
 from common.weights import load_into, load_state_dict, publish  # noqa: E402
+from common.weights.adapters import load_adapter  # noqa: E402
 
 SIZES = {
     "25m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8),

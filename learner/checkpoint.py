@@ -39,18 +39,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.config import ConfigError
-from common.model.lora import (
-    ADAPTER_WEIGHTS,
-    base_mismatch,
-    load_adapter,
-    read_config,
-    same_shape,
-    served_config,
-    write_adapter,
-)
+from common.model.lora import same_shape, served_config
 from common.storage import fsync_dir, fsync_tree, writing
 from common.transport import LeaseLost
 from common.weights import WeightsError, load_into
+from common.weights.adapters import ADAPTER_WEIGHTS, base_mismatch, load_adapter, read_config, write_adapter
 from learner.distributed import Ranks
 from learner.fencing import superseded_steps
 

@@ -18,11 +18,12 @@ import torch
 
 from common.config import Config
 from common.metrics import LearnerMetrics
-from common.model.lora import base_identity, is_lora
+from common.model.lora import is_lora
 from common.schemas import SchemaError, WeightsAnnouncement
 from common.storage import writing
 from common.transport import LearnerTransport
 from common.weights import newest_on_disk, publish, tensors_digest
+from common.weights.adapters import base_identity
 from common.weights.nccl import Round, announcement_uri
 from learner.distributed import Ranks
 from learner.fencing import superseded_versions

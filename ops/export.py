@@ -100,7 +100,7 @@ def _under(run: Path, path: Path) -> Path:
 
 def export(version: Path, out: Path, *, base: str = "", dtype: str = "auto") -> str:
     """Write ``version`` as a loadable folder at ``out``; returns what was done, for the user."""
-    from common.model.lora import is_adapter_dir
+    from common.weights.adapters import is_adapter_dir
 
     _check_digest(version)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -148,25 +148,33 @@ def _merge(version: Path, tmp: Path, base: str, dtype: str) -> str:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from common.model import lora
+    from common.model.lora import merged, wrap_as
     from common.weights import WeightsError
+    from common.weights.adapters import (
+        ADAPTER_WEIGHTS,
+        base_identity,
+        base_mismatch,
+        load_adapter,
+        read_base,
+        read_config,
+    )
 
-    recorded = lora.read_base(version)
+    recorded = read_base(version)
     path = base or recorded.get("path", "")
     if not path or not Path(path).is_dir():
         raise ExportError(f"{version}: a LoRA adapter whose base {path!r} is not a directory here; give it with --base")
-    if problem := lora.base_mismatch(lora.base_identity(path), recorded):
+    if problem := base_mismatch(base_identity(path), recorded):
         raise ExportError(f"{version}: {problem}")
     own = getattr(AutoConfig.from_pretrained(path), "dtype", None)  # what the base's config.json says it is
     target = (own if isinstance(own, torch.dtype) else getattr(torch, str(own or "float32"))) if dtype == "auto" else (
         getattr(torch, dtype))  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # merged in float32, then cast
-    adapted = lora.wrap_as(model, version)
+    adapted = wrap_as(model, read_config(version))
     try:
-        lora.load_adapter(adapted, load_file(str(version / lora.ADAPTER_WEIGHTS)))
+        load_adapter(adapted, load_file(str(version / ADAPTER_WEIGHTS)))
     except WeightsError as e:
         raise ExportError(f"{version}: {e}") from None
-    plain = lora.merged(adapted).to(target)
+    plain = merged(adapted).to(target)
     plain.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
     return f"LoRA merged into {path}, {str(target).removeprefix('torch.')}"

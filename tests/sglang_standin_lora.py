@@ -105,9 +105,10 @@ class Adapters:
     def _adapted(self, path: str) -> Any:
         from safetensors.torch import load_file
 
-        from common.model.lora import ADAPTER_WEIGHTS, load_adapter, wrap_as
+        from common.model.lora import wrap_as
+        from common.weights.adapters import ADAPTER_WEIGHTS, load_adapter, read_config
 
-        model = wrap_as(copy.deepcopy(self.base), path).eval()
+        model = wrap_as(copy.deepcopy(self.base), read_config(path)).eval()
         load_adapter(model, load_file(str(Path(path) / ADAPTER_WEIGHTS)))
         return model
 

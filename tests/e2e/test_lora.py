@@ -79,8 +79,9 @@ def _export_and_compare(run_dir: Path, model: Path, tmp: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.model.generation import generate, pad_token_id, stop_token_ids
-    from common.model.lora import load_adapter, wrap_as
+    from common.model.lora import wrap_as
     from common.weights import newest_on_disk, version_dir
+    from common.weights.adapters import load_adapter, read_config
 
     out = tmp / "exported"
     done = subprocess.run([sys.executable, "-m", "common.cli", "export", str(run_dir), str(out)],
@@ -91,7 +92,7 @@ def _export_and_compare(run_dir: Path, model: Path, tmp: Path) -> None:
 
     # What the learner's policy is at the last version: the base with that adapter (as the learner holds it).
     last = version_dir(run_dir / "weights", newest_on_disk(run_dir / "weights"))
-    learner = wrap_as(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), last).eval()
+    learner = wrap_as(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), read_config(last)).eval()
     load_adapter(learner, load_file(str(last / "adapter_model.safetensors")))
     plain = AutoModelForCausalLM.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)

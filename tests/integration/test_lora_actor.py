@@ -14,11 +14,11 @@ import torch
 
 from common.config import RedisConfig
 from common.grpo.logprobs import token_logprobs
-from common.model.lora import base_identity
 from common.procs import wait_until
 from common.schemas import decode_group
 from common.transport import Transport
 from common.weights import publish
+from common.weights.adapters import base_identity
 from tests.adapters import adapted
 from tests.integration.test_actor_process import actor_args, metric
 

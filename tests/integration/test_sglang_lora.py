@@ -15,8 +15,8 @@ from actor.sglang_engine import EngineError, SGLangEngine
 from actor.sglang_lora import ALL_LINEAR, launch_args, uncovered
 from common.config import ConfigError, check_engine, load_config
 from common.grpo.logprobs import token_logprobs
-from common.model.lora import base_identity
 from common.weights import WeightsError, WeightsMismatch, publish
+from common.weights.adapters import base_identity
 from tests.adapters import adapted
 from tests.integration.test_sglang_engine import check_with_sglang_schema
 from tests.sglang_standin import StandIn

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.model.lora import base_identity, peft_config, wrap
+from common.model.lora import peft_config, wrap
 from common.weights import publish
+from common.weights.adapters import base_identity
 from learner.fencing import Marker, write_marker
 from ops.export import main
 

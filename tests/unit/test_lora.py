@@ -12,22 +12,18 @@ import pytest
 import torch
 
 from common.config import ConfigError, load_config
-from common.model.lora import (
+from common.model.lora import adapter_state, is_lora, merged, peft_config, wrap, wrap_as
+from common.weights import WeightsMismatch
+from common.weights.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
-    adapter_state,
     base_identity,
     base_mismatch,
-    is_lora,
     load_adapter,
-    merged,
-    peft_config,
     read_base,
-    wrap,
-    wrap_as,
+    read_config,
     write_adapter,
 )
-from common.weights import WeightsMismatch
 from learner import checkpoint
 from learner.trainer import Trainer
 from tests.adapters import adapted
@@ -118,7 +114,7 @@ def test_adapter_files_round_trip_all_or_nothing(base, tmp_path: Path) -> None: 
     from safetensors.torch import load_file
 
     state = load_file(str(tmp_path / "a" / ADAPTER_WEIGHTS))
-    ours = wrap_as(copy.deepcopy(model), tmp_path / "a").eval()
+    ours = wrap_as(copy.deepcopy(model), read_config(tmp_path / "a")).eval()
     load_adapter(ours, state)
     torch.testing.assert_close(ours(input_ids=ids).logits, pm(input_ids=ids).logits, rtol=0, atol=1e-6)
     # an adapter of another rank does not fit, and changes nothing

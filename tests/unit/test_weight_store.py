@@ -152,7 +152,7 @@ def test_weights_on_a_network_filesystem_are_read_not_mapped(
 
     from transformers import AutoModelForCausalLM
 
-    import common.weights.store as weights
+    import common.weights.reading as weights
 
     ann = publish(AutoModelForCausalLM.from_pretrained(tiny_model_dir), None, tmp_path / "w", 1, keep=2).announcement
     local, _ = load_state_dict(ann)
