@@ -112,7 +112,7 @@ def lora_version(cfg: Any) -> Any:
 def evaluate(cfg: Any, n: int, adapter: Any = None) -> dict[str, Any]:
     import torch
 
-    from actor.engine import make_engine
+    from actor.engines import make_engine
     from common.model.importing import prepare_model_path
     from common.tasks import PromptEncoder, eval_problems
     from common.tasks.evaluation import correctness, score_problems, summarise

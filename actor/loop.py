@@ -17,22 +17,23 @@ from typing import Any, cast
 
 import numpy as np
 
-from actor.engine_protocol import BetweenRounds, Engine, EngineError, load_if_due
+from actor.engines.base import Engine, EngineError, NcclEngine, load_if_due
 from actor.identity import take_actor_id
-from actor.inflight import InFlight, Round, rounds_in_flight, sampled_aside
-from actor.nccl_weights import NcclEngine, Receiver, supports_nccl
 from actor.outgoing import FILTERED_ZERO_STD, Outgoing, RoundEncoder
 from actor.prompts import Drawn, PromptSource
-from actor.updates import Backoff, announcement_key, in_flight_updates, same_lineage
+from actor.rounds import InFlight, Round, rounds_in_flight, sampled_aside
+from actor.weights import WeightsSource
+from actor.weights.disk import DiskWeights
+from actor.weights.mid_round import in_flight_updates
+from actor.weights.nccl import Receiver
 from common.config import Config
 from common.liveness import Liveness
 from common.metrics import ActorMetrics
 from common.model.limits import message_byte_limit
 from common.rollout import Sample, SampleGrader
-from common.schemas import FORWARDED, SchemaError, WeightsAnnouncement
+from common.schemas import FORWARDED, WeightsAnnouncement
 from common.tasks import Problem, PromptEncoder, make_task
 from common.transport import ActorTransport, Admission, ClaimLost, Superseded, round_fits
-from common.weights import WeightsError
 from env.episodes import Episodes, episode_counts
 
 log = logging.getLogger("actor")
@@ -73,23 +74,23 @@ class Actor:
         self.rounds = 0
         self.version_sampled = engine.version  # the policy version of the round being graded and sent
         self.in_flight = InFlight(actor_id, engine, rounds_in_flight(cfg, engine), sampled_aside(cfg, engine), episodes)
-        # actor.weight_updates in_flight: versions loaded while rounds are sampled (actor.updates)
-        self.updates = in_flight_updates(cfg, engine, self._newer, self._load, lambda: bool(self._pubsub.get_message()),
-                                         lambda a: same_lineage(self._epochs, self.engine.version, a))  # fmt: skip
-        self._epochs: dict[int, int] = {}  # version -> epoch, from the announcements this actor read
+        nccl = cfg.weights.transport == "nccl" and engine.capabilities.nccl_ranks > 0
+        self.disk = DiskWeights(transport, engine, metrics, over_nccl=nccl)  # versions from the shared volume
+        # actor.weight_updates in_flight: versions loaded while rounds are sampled (actor.weights.mid_round)
+        self.updates = in_flight_updates(cfg, engine, self.disk.newer, self.disk.load,
+                                         lambda: bool(self._pubsub.get_message()), self.disk.same_lineage)  # fmt: skip
         self._prompt_ids: dict[str, list[int]] = {}
-        self._malformed_seen: set[str] = set()  # reasons already said for malformed announcements
-        self._load_backoff = Backoff()  # an announcement that failed to load is not tried again every round
         self._warned_long = False
         self._next_heartbeat = 0.0
         self._beat_lock = threading.Lock()  # the heartbeat thread and the loop beat alike
         self._beats_stop = threading.Event()
         self._pubsub: Any = None
-        self._warned_nccl = False
         self.superseded = False  # a newer process took this actor's id: it stops (common.transport.Superseded)
         self.receiver: Receiver | None = None  # weights.transport nccl, with an engine that takes weights that way
-        if cfg.weights.transport == "nccl" and supports_nccl(engine):
+        if nccl:
             self.receiver = Receiver(cfg, actor_id, transport, cast(NcclEngine, engine), metrics, self.stop)
+        self.disk.before_load = self._before_load
+        self.sources: list[WeightsSource] = [*([self.receiver] if self.receiver else []), self.disk]
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -98,6 +99,7 @@ class Actor:
         if not take_actor_id(self.transport, self.id, self.stop, self.liveness):
             return "asked to stop"
         self._pubsub = self.transport.subscribe_weights()
+        self.disk.drain = self._pubsub.get_message
         beats = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
         beats.start()
         try:
@@ -106,8 +108,6 @@ class Actor:
                 self.heartbeat()
                 if self.transport.is_done():
                     return "the learner finished the run"
-                if self.receiver is not None:
-                    self.receiver.poll(self.heartbeat)
                 self.reload_weights()
                 if self.engine.version < 0:  # a version arrived in part: sample nothing until a whole one is loaded
                     self._wait(lambda: self.engine.version < 0, doing="waiting for a whole version")
@@ -133,90 +133,23 @@ class Actor:
     # -- steps --------------------------------------------------------------------------------------------------
 
     def reload_weights(self) -> None:
-        """Load the announced version if it differs from ours, between rounds (in flight, an engine's other rounds
-        are paused for it, see actor.sglang_engine, unless a restarted learner published it; else they finish)."""
-        ann = self._newer()
-        if ann is None:
-            return
+        """Between rounds, the version each source has (over NCCL, then from disk), where it differs from ours."""
+        for source in self.sources:
+            source.poll(self.heartbeat)
+
+    def _before_load(self, ann: WeightsAnnouncement) -> None:
+        """A version from disk, between rounds: in flight, an engine's other rounds are paused for it (see
+        actor.engines.sglang.engine), unless a restarted learner published it; else they finish first."""
         self.liveness.beat(f"loading weights v{ann.version}")
-        if self.updates is None or not same_lineage(self._epochs, self.engine.version, ann):
+        if self.updates is None or not self.disk.same_lineage(ann):
             self.in_flight.settle(self.heartbeat)  # no request of ours between the update and its cache flush
-        self._load(ann)
-
-    def _newer(self) -> WeightsAnnouncement | None:
-        """The announced version when it should be loaded now: it differs from ours, its weights are on disk, and a
-        failed load of it is not waiting out its backoff."""
-        while self._pubsub.get_message() is not None:  # announcements only wake us; the hash is the truth
-            pass
-        ann = self.announced()
-        self._remember_epoch(ann)
-        if ann is None or ann.version == self.engine.version:
-            return None
-        if ann.format == "nccl":  # sent to the members of the update group only; the others wait for a disk version
-            if self.receiver is None and not self._warned_nccl:
-                self._warned_nccl = True
-                log.warning(
-                    "weights v%d went over NCCL (weights.transport nccl) and this actor's engine cannot take them "
-                    "that way: it loads the versions written to disk (weights.disk_every; warned once)",
-                    ann.version,
-                )
-            return None
-        if self._load_backoff.waiting(announcement_key(ann), time.monotonic()):
-            return None
-        return ann
-
-    def _load(self, ann: WeightsAnnouncement) -> bool:
-        """Load ``ann`` into the engine; False when it kept its weights (refused: counted, backed off; or a version
-        it takes only between rounds, asked for mid-round)."""
-        key = announcement_key(ann)
-        t0 = time.perf_counter()
-        try:
-            nbytes = self.engine.load(ann)
-        except BetweenRounds:
-            return False
-        except WeightsError as e:  # the engine kept its weights and version (e.g. pruned meanwhile, or not ours)
-            self.metrics.weight_load_failures.labels(e.reason).inc()
-            delay = self._load_backoff.failed(key, time.monotonic())
-            log.warning("could not load weights v%d (attempt %d): %s; sampling on with v%d, trying it again %s "
-                        "unless a newer version is announced", ann.version, self._load_backoff.attempts, e,
-                        self.engine.version, f"in {delay:.0f}s" if delay else "next round")  # fmt: skip
-            return False
-        seconds = time.perf_counter() - t0
-        self.metrics.weight_load_seconds.labels("disk").observe(seconds)
-        self.metrics.policy_version.set(ann.version)
-        log.debug("loaded weights v%d (%.1f MB) in %.3fs", ann.version, nbytes / 1e6, seconds)
-        return True
-
-    def _remember_epoch(self, ann: WeightsAnnouncement | None) -> None:
-        """Which epoch announced each version (whatever path its weights take, NCCL or disk): groups carry the
-        epoch of the weights they were sampled with, so the learner can tell a crashed learner's dead branch."""
-        if ann is None:
-            return
-        if len(self._epochs) >= 64:  # recent versions only
-            self._epochs.clear()
-        self._epochs[ann.version] = ann.epoch
-
-    def announced(self) -> WeightsAnnouncement | None:
-        """The announced version; None when there is none, or when ``weights:latest`` is malformed (written by hand
-        or by a newer build): that is bad input, said once per distinct value and counted, and the actor samples on
-        with the weights it has until the learner's next announcement replaces it."""
-        try:
-            return self.transport.latest_weights()
-        except SchemaError as e:
-            if str(e) not in self._malformed_seen:
-                if len(self._malformed_seen) >= 64:  # a bounded memory of what was said
-                    self._malformed_seen.clear()
-                self._malformed_seen.add(str(e))
-                self.metrics.weights_malformed.inc()
-                log.warning("ignoring weights:latest: %s (the learner's next announcement replaces it)", e)
-            return None
 
     def wait_for_new_version(self) -> None:
         """The synchronous baseline (actor.synchronous): sample again only with weights newer than this round's
         (the wait counts as backpressure)."""
 
         def behind() -> bool:
-            ann = self.announced()
+            ann = self.disk.announced()
             return ann is None or ann.version <= self.version_sampled
 
         # An announcement that arrived while this round was sampled (the previous version's) must not end the wait.
@@ -251,7 +184,7 @@ class Actor:
         """Called every 0.2 s while the actor waits for a round: heartbeats, and with in-flight updates on an engine
         that samples in other threads (SGLang's rounds), a new version loaded as soon as it is announced."""
         self.heartbeat()
-        if self.updates is not None and getattr(self.engine, "updates", None) is None:
+        if self.updates is not None and self.engine.updates is None:
             load_if_due(self.updates)
 
     def _send_rounds_in_flight(self) -> None:
@@ -307,7 +240,7 @@ class Actor:
             if deadline is not None and time.monotonic() >= deadline:
                 break
             self.heartbeat()  # waiting is working: the key must not expire
-            if why := getattr(self.engine, "failed", lambda: None)():  # a launched server that died meanwhile
+            if why := self.engine.failed():  # a launched server that died meanwhile
                 raise EngineError(why)
             if self.receiver is not None and self.receiver.poll(self.heartbeat):
                 break  # new weights: the caller re-checks its conditions
@@ -359,7 +292,7 @@ class Actor:
         return ids
 
     def sampled(self, rnd: Round) -> Round:
-        """A generated round, counted; its version (the reply's, see actor.inflight) stamps its groups, unless
+        """A generated round, counted; its version (the reply's, see actor.rounds) stamps its groups, unless
         their tokens say which versions produced them (in-flight updates: then the newest)."""
         self.version_sampled = rnd.version
         if self.updates is not None:
@@ -397,7 +330,7 @@ class Actor:
         settling the round's claim with the fate of each of its prompt positions (actor.outgoing)."""
         self.liveness.beat("sending")
         out = self.outgoing.encode(rnd.problems, rnd.samples, rewards, prompt_ids=self._encode_prompt,
-                                   version_sampled=self.version_sampled, epochs=self._epochs,
+                                   version_sampled=self.version_sampled, epochs=self.disk.epochs,
                                    positions=rnd.positions)  # fmt: skip
         out.counters.update(rnd.unsampled)
         if self._produce(out, rnd.holder):
@@ -452,8 +385,8 @@ class Actor:
             self._claim_lost(out, holder, e)
 
     def _refused(self, rnd: Round) -> bool:
-        """A round generated (in part) by weights their learner never announced (actor.unannounced): discarded,
-        counted as ``groups_discarded:unannounced`` with its positions."""
+        """A round generated (in part) by weights their learner never announced (actor.engines.sglang.unannounced):
+        discarded, counted as ``groups_discarded:unannounced`` with its positions."""
         if rnd.refused:
             log.warning("%s", rnd.refused)
             self._discard(Outgoing.unsendable(len(rnd.problems), rnd.unsampled), "unannounced", rnd.holder)

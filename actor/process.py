@@ -12,8 +12,8 @@ import time
 import torch
 from prometheus_client import CollectorRegistry
 
-from actor.engine import make_engine
-from actor.engine_protocol import Engine, EngineError
+from actor.engines import make_engine
+from actor.engines.base import Engine, EngineError
 from actor.loop import Actor
 from common.config import Config
 from common.liveness import Liveness

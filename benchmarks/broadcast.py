@@ -39,7 +39,7 @@ def receiver(model_dir: str, device: str) -> int:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from actor.engine import LocalEngine
+    from actor.engines.local import LocalEngine
     from common.config import Config
     from common.schemas import WeightsAnnouncement
 

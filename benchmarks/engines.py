@@ -88,8 +88,8 @@ def cores(threads: int) -> tuple[set[int], set[int]]:
 
 
 def case(config: str | None, trials: int, in_flight: list[int], extra: list[str]) -> dict:
-    from actor.engine import LocalEngine
-    from actor.sglang_engine import SGLangEngine
+    from actor.engines.local import LocalEngine
+    from actor.engines.sglang.engine import SGLangEngine
     from common.model.importing import prepare_model_path
     from ops.tiny_model import ensure_tiny_model
 

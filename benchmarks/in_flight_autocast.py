@@ -53,7 +53,7 @@ class LoadAt:
 
 
 def sample(path: Path, weights: Path, ann: Any, args: argparse.Namespace, kv: str, how: str) -> list[Any]:
-    from actor.engine import LocalEngine
+    from actor.engines.local import LocalEngine
     from common.config import load_config
 
     cfg = load_config(None, [f"model.path={path}", f"model.device={args.device}", f"weights.dir={weights}",

@@ -7,8 +7,8 @@ A Llama built from a config (``--preset``; no download, random weights) samples 
 answers of exactly ``--tokens`` tokens (no stop token) with the project's sampler (common.model.generation), once
 without a load, then with a second version (the same model, every weight nudged) loaded after ``--load-at`` decode
 steps: keep (copied in place between two steps, the cache kept) and recompute (the batch stopped, the version
-loaded, prompt and answer so far prefilled again: actor.recompute). One JSON line per run: seconds generating, the
-load's pause (the time the decode loop stood still for it), tokens/s, and the versions the answers' tokens carry
+loaded, prompt and answer so far prefilled again: actor.engines.recompute). One JSON line per run: seconds generating,
+the load's pause (the time the decode loop stood still for it), tokens/s, and the versions the answers' tokens carry
 (every answer must end with ``--tokens - --load-at`` tokens of the new version). The prepared GPU check runs it
 with the 0.5B preset on CUDA (scripts/gpu_in_flight.sh).
 """
@@ -63,7 +63,7 @@ class LoadAt:
 
 
 def sample(model: Any, prompts: list[list[int]], args: argparse.Namespace, kv: str | None) -> dict[str, Any]:
-    from actor.recompute import generate_recomputing
+    from actor.engines.recompute import generate_recomputing
     from common.model.generation import generate
 
     version = [0]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from actor.recompute import generate_recomputing
+from actor.engines.recompute import generate_recomputing
 from common.model.generation import generate
 from common.rollout import Sample
 
@@ -105,8 +105,8 @@ class Pause:
 
 
 class _Retraction:
-    """One request's view of retract pauses (actor.recompute's Updates): it stops at the first step after one, and
-    waits, retracted, until generation continues, to be prefilled again."""
+    """One request's view of retract pauses (actor.engines.recompute's Updates): it stops at the first step after one,
+    and waits, retracted, until generation continues, to be prefilled again."""
 
     def __init__(self, pause: Pause):
         self.pause = pause

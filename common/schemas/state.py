@@ -282,7 +282,7 @@ class DeadLetter:
 @dataclass(frozen=True)
 class Reservation:
     """Room an actor holds for a round it samples (actor → hash ``inflight``, field: the actor's id, or ``<id>/<slot>``
-    for its other rounds in flight (actor/inflight.py) → every actor's admission script): ``<groups> <lease end>``,
+    for its other rounds in flight (actor/rounds.py) → every actor's admission script): ``<groups> <lease end>``,
     the round's groups and the end of the lease in milliseconds of Redis's clock. Written and read inside the
     admission scripts (common.transport.admission), whose pattern ``^(%d+) (%d+)$`` is this form's: reserving removes
     a value that does not match, as it removes an expired one (renewing one that does not match counts it as 0

@@ -27,7 +27,7 @@ Keys (all under ``grpo:{<run>}:``; the braces are a Redis Cluster hash tag, so a
 ``trained_ids``        sorted set  group ids trained on, by step (a bounded window), to train a duplicate once
 ``inflight``           hash        rounds actors are sampling: holder -> ``<groups> <lease end, ms of Redis's clock>``
                                    (common.schemas.Reservation; the holder is the actor's id, ``<id>/<slot>`` for
-                                   its other rounds in flight, actor/inflight.py)
+                                   its other rounds in flight, actor/rounds.py)
 ``filtered``           hash        running sums over the groups actors filtered out (``groups``, ``zero_std_groups``,
                                    ``completions``, ``reward_sum``, ``reward_std_sum``): the learner's reward figures
 ``identity``           hash        the run's identity (common.schemas.RunIdentity: ``id``, ``created_at``), also in

@@ -12,8 +12,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from actor.engine import LocalEngine
-from actor.loop import Actor, Backoff
+from actor.engines.local import LocalEngine
+from actor.loop import Actor
+from actor.weights.mid_round import Backoff
 from common.config import RedisConfig, load_config
 from common.metrics import ActorMetrics
 from common.schemas import WeightsAnnouncement
@@ -51,7 +52,7 @@ def test_a_malformed_announcement_is_ignored_once_per_value_and_counted(
         t.client.hset(t.keys.weights_latest, mapping={**good, **change})
         for _ in range(5):  # every round reads it again: said and counted once
             actor.reload_weights()
-            assert actor.announced() is None
+            assert actor.disk.announced() is None
     t.client.delete(t.keys.weights_latest)
     t.client.hset(t.keys.weights_latest, mapping={k: v for k, v in good.items() if k != "uri"})
     actor.reload_weights()

@@ -31,7 +31,7 @@ def check(prompts: list[list[int]], groups: Any, recorder: Recorder, model: Any,
 
 
 def test_the_local_engine_continues_episodes_from_token_ids(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from actor.engine import LocalEngine
+    from actor.engines.local import LocalEngine
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", "sampling.max_new_tokens=12",
                              *ENV])  # fmt: skip
@@ -41,7 +41,7 @@ def test_the_local_engine_continues_episodes_from_token_ids(tiny_model_dir: Path
 
 
 def test_the_sglang_engine_continues_episodes_from_token_ids(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from actor.sglang_engine import SGLangEngine
+    from actor.engines.sglang.engine import SGLangEngine
     from common.model.loading import load_pretrained
     from tests.sglang_standin import StandIn
 

@@ -19,7 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM
 
-from actor.engine import LocalEngine
+from actor.engines.local import LocalEngine
 from actor.loop import Actor
 from common.config import RedisConfig, load_config
 from common.grpo.logprobs import scaled_log_softmax

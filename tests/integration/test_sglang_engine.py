@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from actor.sglang_engine import EngineError, generate_request, parse_samples
+from actor.engines.sglang.engine import EngineError, generate_request, parse_samples
 from common.config import RedisConfig
 from common.procs import wait_until
 from common.schemas import WeightsAnnouncement, decode_group
@@ -193,7 +193,7 @@ def test_actor_launches_the_server_as_its_child_and_stops_it(
 
 def test_a_version_that_does_not_fit_the_served_model_is_never_sent(demo_model_dir: Path, tmp_path: Path) -> None:
     """A real server dies on a wrong-shaped checkpoint (so does the stand-in): the engine checks shapes first."""
-    from actor.sglang_engine import SGLangEngine
+    from actor.engines.sglang.engine import SGLangEngine
     from common.config import load_config
     from common.weights import WeightsError
 
@@ -240,8 +240,8 @@ def test_a_reply_from_broadcast_weights_waits_for_their_announcement_and_is_refu
 
     from transformers import AutoModelForCausalLM
 
-    from actor.sglang_engine import SGLangEngine
-    from actor.unannounced import UnannouncedWeights
+    from actor.engines.sglang.engine import SGLangEngine
+    from actor.engines.sglang.unannounced import UnannouncedWeights
     from common.config import load_config
     from common.schemas.control import Round
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from transformers import AutoModelForCausalLM
 
-from actor.sglang_engine import SGLangEngine
+from actor.engines.sglang.engine import SGLangEngine
 from common.config import load_config
 from common.weights import publish
 from tests.integration.test_in_flight_updates import PROMPTS, changed_model, expected
@@ -109,8 +109,8 @@ def agrees_with_sglang(requests: list[tuple[str, Any]]) -> None:
 
 
 def test_between_rounds_a_reply_of_two_versions_is_still_refused_and_in_flight_one_without_spans() -> None:
-    from actor.engine_protocol import EngineError
-    from actor.sglang_api import parse_samples
+    from actor.engines.base import EngineError
+    from actor.engines.sglang.requests import parse_samples
 
     item = {"output_ids": [5, 6, 2], "meta_info": {
         "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "4",

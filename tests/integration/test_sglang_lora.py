@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actor.sglang_engine import EngineError, SGLangEngine
-from actor.sglang_lora import ALL_LINEAR, launch_args, uncovered
+from actor.engines.sglang.adapters import ALL_LINEAR, launch_args, uncovered
+from actor.engines.sglang.engine import EngineError, SGLangEngine
 from common.config import ConfigError, check_engine, load_config
 from common.grpo.logprobs import token_logprobs
 from common.weights import WeightsError, WeightsMismatch, publish

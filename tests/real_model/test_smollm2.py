@@ -48,7 +48,7 @@ def test_two_learner_steps_on_what_an_actor_sampled(smollm2_dir: Path, tmp_path:
     assert "Traceback" not in (run_dir / "logs" / "actor-1.log").read_text()
 
     # one actor round on the trained version, loaded the way an actor loads an announced one
-    from actor.engine import LocalEngine
+    from actor.engines.local import LocalEngine
     from common.config import load_config
     from common.schemas import WeightsAnnouncement
     from common.tasks import PromptEncoder, make_task

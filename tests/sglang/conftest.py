@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from actor.sglang_server import PROJECT_VENV
+from actor.engines.sglang.server import PROJECT_VENV
 from common.config import Config, load_config
 
 
@@ -60,7 +60,7 @@ def server_config(model: Path, run_dir: Path, python: str, *overrides: str) -> C
 @pytest.fixture(scope="module")
 def real_engine(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, sglang_python: str) -> Iterator:
     """An SGLangEngine that launched a real server on the demo model; the events it survived in ``.events``."""
-    from actor.sglang_engine import SGLangEngine
+    from actor.engines.sglang.engine import SGLangEngine
 
     cfg = server_config(demo_model_dir, tmp_path_factory.mktemp("sglang-run"), sglang_python)
     events: list[str] = []

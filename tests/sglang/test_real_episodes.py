@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from actor.sglang_engine import SGLangEngine
+from actor.engines.sglang.engine import SGLangEngine
 from common.config import EnvConfig
 from common.model.loading import load_pretrained
 from env.episodes import episode_counts

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from actor.sglang_api import generate_request, parse_samples
-from actor.sglang_engine import SGLangEngine
+from actor.engines.sglang.engine import SGLangEngine
+from actor.engines.sglang.requests import generate_request, parse_samples
 from common.model.loading import load_pretrained
 from common.weights import publish
 from tests.integration.test_in_flight_updates import expected

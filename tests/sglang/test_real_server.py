@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from actor.sglang_engine import SGLangEngine, generate_request
+from actor.engines.sglang.engine import SGLangEngine, generate_request
 from common.grpo.logprobs import token_logprobs
 from common.model.loading import load_pretrained
 from common.weights import WeightsError, publish
@@ -63,7 +63,7 @@ def test_generate_contract(real_engine: SGLangEngine) -> None:
 
 
 def test_the_standin_refuses_what_the_real_server_refuses(real_engine: SGLangEngine, demo_model_dir: Path) -> None:
-    from actor.sglang_engine import EngineError
+    from actor.engines.sglang.engine import EngineError
 
     standin = StandIn(str(demo_model_dir)).start()
     try:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from actor.recompute import generate_recomputing, joined, unfinished
-from actor.updates import InFlightUpdates, same_lineage
+from actor.engines.recompute import generate_recomputing, joined, unfinished
+from actor.weights.mid_round import InFlightUpdates, same_lineage
 from common.rollout import Sample, version_runs
 from common.schemas import Completion, GroupMessage, WeightsAnnouncement
 from learner.batch import assemble, version_spread
@@ -183,7 +183,7 @@ def test_tokens_older_than_max_staleness_are_left_out_of_the_loss(policy) -> Non
 def test_the_sim_engine_paces_a_round_as_a_batched_decoder_and_stamps_each_steps_version(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     import time
 
-    from actor.engine import SimEngine
+    from actor.engines.sim import SimEngine
     from common.config import load_config
 
     cfg = load_config(overrides=[f"model.path={tiny_model_dir}", "actor.sim_tokens_per_s=4000",

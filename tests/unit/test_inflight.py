@@ -1,4 +1,4 @@
-"""Rounds in flight (actor/inflight.py): slots and their holder names, the oldest round first, each round stamped with
+"""Rounds in flight (actor/rounds.py): slots and their holder names, the oldest round first, each round stamped with
 the version its reply was generated with, and one round at a time, inline, where the engine does not batch."""
 
 from __future__ import annotations
@@ -6,18 +6,20 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from actor.inflight import InFlight, rounds_in_flight, sampled_aside
+from actor.engines.base import Capabilities
+from actor.rounds import InFlight, rounds_in_flight, sampled_aside
 from common.config import load_config
 from common.rollout import Sample
 from common.tasks import Problem
+
+BATCHING = Capabilities(concurrent_requests=True, rounds_in_flight=4)
 
 
 class Engine:
     """Replies when released, stamped with the version the test says the server holds."""
 
-    batches_concurrent_requests = True
-
-    def __init__(self) -> None:
+    def __init__(self, capabilities: Capabilities = BATCHING) -> None:
+        self.capabilities = capabilities
         self.version = 3
         self.served = 3
         self.release = threading.Event()
@@ -70,9 +72,9 @@ def test_one_round_at_a_time_is_generated_inline() -> None:
 
 
 def test_only_an_engine_that_batches_concurrent_requests_gets_more_than_one(tmp_path: Any) -> None:
-    cfg = load_config(None, ["sglang.rounds_in_flight=4"], env={})
+    cfg = load_config(None, [], env={})
     assert rounds_in_flight(cfg, Engine()) == 4  # type: ignore[arg-type]
-    assert rounds_in_flight(cfg, object()) == 1  # type: ignore[arg-type]
+    assert rounds_in_flight(cfg, Engine(Capabilities(False, 4, loads_mid_round=True))) == 1  # type: ignore[arg-type]
     cfg.actor.synchronous = True
     assert rounds_in_flight(cfg, Engine()) == 1  # type: ignore[arg-type]
 
@@ -94,9 +96,10 @@ def test_with_in_flight_updates_even_one_round_of_a_batching_engine_is_generated
     """The actor loads versions into SGLang while it waits for a round (actor.loop._while_sampling): a round generated
     in its own thread would leave it nothing to wait in, and no version would ever land mid-round."""
     cfg = load_config(None, ["sglang.rounds_in_flight=1", "actor.weight_updates=in_flight"], env={})
-    engine = Engine()
+    engine = Engine(Capabilities(True, 1))
     assert rounds_in_flight(cfg, engine) == 1 and sampled_aside(cfg, engine)  # type: ignore[arg-type]
-    assert not sampled_aside(cfg, object())  # type: ignore[arg-type]  # the local engine asks between decode steps
+    local = Engine(Capabilities(loads_mid_round=True))  # the local engine asks between decode steps
+    assert not sampled_aside(cfg, local)  # type: ignore[arg-type]
     cfg.actor.weight_updates = "between_rounds"
     assert not sampled_aside(cfg, engine)  # type: ignore[arg-type]
     f = InFlight("a", engine, 1, aside=True)

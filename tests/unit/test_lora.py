@@ -181,7 +181,7 @@ def test_a_resume_with_another_alpha_is_refused(base, tmp_path: Path) -> None:  
 def test_the_local_engine_takes_adapters_of_a_new_shape_and_whole_weights_all_or_nothing(
     base, tiny_model_dir: Path, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    from actor.engine import LocalEngine
+    from actor.engines.local import LocalEngine
     from common.weights import WeightsError, publish
 
     tok, model = base

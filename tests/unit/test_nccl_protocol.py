@@ -63,7 +63,7 @@ def test_a_member_takes_only_the_announcement_of_its_own_round() -> None:
     """What a member received is served once weights:latest announces exactly its round: the version, over NCCL, with
     the uri naming the round (its learner's session and sequence number); a successor's announcement of the same
     version number, from disk or from its own round, is not it."""
-    from actor.nccl_weights import announces
+    from actor.weights.nccl import announces
     from common.schemas import WeightsAnnouncement
     from common.weights.nccl import announcement_uri
 
@@ -114,8 +114,8 @@ def _fields(source: str, cls: str) -> tuple[set[str], set[str]]:
 
 
 def test_update_group_requests_carry_the_fields_sglang_declares() -> None:
-    from actor.sglang_engine import SGLangEngine
-    from actor.unannounced import Unannounced
+    from actor.engines.sglang.engine import SGLangEngine
+    from actor.engines.sglang.unannounced import Unannounced
 
     source = _sglang_file("srt", "managers", "io_struct.py").read_text()
     sent: list[tuple[str, dict[str, Any]]] = []

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from actor.sglang_server import PRELOADS, cpu_preloads, launch_command
+from actor.engines.sglang.server import PRELOADS, cpu_preloads, launch_command
 from common.config import load_config
 
 

@@ -1,5 +1,5 @@
-"""What requests and replies wait for while broadcast weights are taken (actor.unannounced): nothing when no
-broadcast is in question; a broadcast waits for the requests already on their way, and new ones for its decision; a
+"""What requests and replies wait for while broadcast weights are taken (actor.engines.sglang.unannounced): nothing when
+no broadcast is in question; a broadcast waits for the requests already on their way, and new ones for its decision; a
 reply that reports weights being taken waits for the decision; refused when any weights it reports were dropped
 (before the request was sent, or since) or no decision came in time."""
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from actor.unannounced import Unannounced, UnannouncedWeights, reply_names
+from actor.engines.sglang.unannounced import Unannounced, UnannouncedWeights, reply_names
 from common.rollout import Sample
 
 

@@ -197,7 +197,7 @@ def test_tensor_specs_reads_headers_and_rejects_garbage(tmp_path: Path) -> None:
 
 
 def _engine(model_dir: Path, run_dir: Path):  # type: ignore[no-untyped-def]
-    from actor.engine import LocalEngine
+    from actor.engines.local import LocalEngine
     from common.config import load_config
 
     return LocalEngine(load_config(None, [f"model.path={model_dir}", f"run.dir={run_dir}"]), seed=0)

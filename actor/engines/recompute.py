@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from actor.engine_protocol import Updates
+from actor.engines.base import Updates
 from common.rollout import Sample, merged_runs
 
 # generate(prompts, n, max_new_tokens, interrupt) -> n samples per prompt, prompt-major

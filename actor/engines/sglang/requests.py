@@ -1,5 +1,5 @@
 """The request bodies the ``sglang`` engine sends and the replies it reads (shapes of SGLang 0.5.23), as pure
-functions, tested on their own; the client that sends them is :mod:`actor.sglang_engine`.
+functions, tested on their own; the client that sends them is :mod:`actor.engines.sglang.engine`.
 
 - ``/generate``: every sampling knob explicit (``temperature``, ``top_p`` = 1, ``top_k`` = -1: unset ones would come
   from the model's generation_config.json, and the behaviour log-probs assume plain temperature sampling). A reply's
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from actor.engine_protocol import EngineError
+from actor.engines.base import EngineError
 from common.rollout import Sample
 
 PAUSE_MODES = {"keep": "in_place", "recompute": "retract"}  # actor.in_flight_kv → /pause_generation's mode
@@ -36,9 +36,9 @@ def generate_request(
 ) -> dict[str, Any]:
     """One /generate body for ``n`` samples of each prompt. ``mode`` "n": one entry per prompt with
     ``sampling_params.n``; "separate": each prompt repeated ``n`` times. Either way the reply is prompt-major.
-    ``lora``: the name of a loaded adapter every prompt is sampled with (actor.sglang_lora). ``cache_salt``: the
-    prefix-cache namespace of the request (in-flight updates keep one per version, so that no entry computed with
-    old weights serves a request sent after the update)."""
+    ``lora``: the name of a loaded adapter every prompt is sampled with (actor.engines.sglang.adapters).
+    ``cache_salt``: the prefix-cache namespace of the request (in-flight updates keep one per version, so that no entry
+    computed with old weights serves a request sent after the update)."""
     params: dict[str, Any] = {
         "temperature": temperature,
         "top_p": 1.0,

@@ -19,10 +19,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
 
-from actor.engine_protocol import Engine
-from actor.unannounced import UnannouncedWeights
+from actor.engines.base import Engine
+from actor.engines.sglang.unannounced import UnannouncedWeights
 from common.config import Config
 from common.rollout import Sample
 from common.tasks import Problem
@@ -40,22 +39,21 @@ class Round:
     samples: list[list[Sample]] = field(default_factory=list)
     positions: list[int] | None = None  # each problem's prompt position (common.transport.prompts)
     unsampled: dict[str, int] = field(default_factory=dict)  # counts of the positions drawn and not sampled
-    refused: str = ""  # why its samples cannot be sent (actor.unannounced), or ''
+    refused: str = ""  # why its samples cannot be sent (actor.engines.sglang.unannounced), or ''
 
 
 def rounds_in_flight(cfg: Config, engine: Engine) -> int:
     """SGLang batches concurrent requests, so its actors keep ``sglang.rounds_in_flight`` rounds going (the sim engine
     ``actor.sim_rounds_in_flight``); an engine in this process generates one round at a time, and the synchronous
     baseline samples one round per version."""
-    concurrent = bool(getattr(engine, "batches_concurrent_requests", False))
-    k = int(getattr(engine, "rounds_in_flight", cfg.sglang.rounds_in_flight))  # the sim engine has its own
-    return k if concurrent and not cfg.actor.synchronous else 1
+    caps = engine.capabilities
+    return caps.rounds_in_flight if caps.concurrent_requests and not cfg.actor.synchronous else 1
 
 
 def sampled_aside(cfg: Config, engine: Engine) -> bool:
     """With in-flight updates the actor loads versions into an engine that batches concurrent requests (SGLang) while
     it waits for a round, so even one round in flight is generated in another thread."""
-    return cfg.actor.weight_updates == "in_flight" and bool(getattr(engine, "batches_concurrent_requests", False))
+    return cfg.actor.weight_updates == "in_flight" and engine.capabilities.concurrent_requests
 
 
 class InFlight:
@@ -101,15 +99,12 @@ class InFlight:
 
     def _turn(self, prompts: Sequence[Sequence[int]], n: int, greedy: bool) -> tuple[list[list[Sample]], int | None]:
         """One generation: the round's answers, or one turn of its episodes (the same engine call)."""
-        generate_versioned: Callable[..., Any] | None = getattr(self.engine, "generate_versioned", None)
-        if generate_versioned is None:
-            return self.engine.generate(prompts, n, greedy=greedy), None
-        return generate_versioned(prompts, n, greedy=greedy)  # type: ignore[no-any-return]
+        return self.engine.generate_versioned(prompts, n, greedy=greedy)
 
     def settle(self, waiting: Callable[[], None]) -> None:
         """Wait until every round in flight is generated (they stay pending, to be taken in order): before a weights
         update, so that no request of this actor reaches the server between the update and the flush of its prefix
-        cache, which a request still running can put off (see actor.sglang_engine)."""
+        cache, which a request still running can put off (see actor.engines.sglang.engine)."""
         for rnd in self.pending:
             _await(rnd, waiting)
 

@@ -1,35 +1,25 @@
-"""The in-process generation engines and the factory that picks the configured one. Each meets
-:class:`actor.engine_protocol.Engine`: per prompt, ``group_size`` :class:`common.model.generation.Sample` s (token ids,
-behaviour log-probs at the sampling temperature, finish reason), and it can load a published version.
-
-``local``: transformers on this process's CPU or GPU (the embedded default). ``sim``: no model at all, random tokens
-at ``actor.sim_tokens_per_s``, for load tests of the pipeline around the engine. The ``sglang`` engine (a client of
-a SGLang server, :mod:`actor.sglang_engine`) returns the same type.
-"""
+"""The ``local`` engine: transformers on this process's CPU or GPU (the embedded default), an
+:class:`actor.engines.base.Engine` that loads versions mid-round itself (in-flight updates: between two decode steps,
+keeping or recomputing the cache, actor.engines.recompute) and takes weights over NCCL as one rank of the group."""
 
 from __future__ import annotations
 
 import logging
-import math
-import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from actor.engine_protocol import BetweenRounds, Engine, Updates, load_if_due
-from actor.recompute import generate_recomputing
+from actor.engines.base import BetweenRounds, Capabilities, Updates, load_if_due
+from actor.engines.recompute import generate_recomputing
 from common.config import Config
 from common.cores import core_borrower
 from common.hardware import describe_device, resolve_bf16
 from common.model.generation import generate, pad_token_id, stop_token_ids
 from common.model.loading import load_pretrained
 from common.model.lora import adapter_state, is_lora, same_shape, served_config, wrap, wrap_as
-from common.rollout import Sample, version_runs
+from common.rollout import Sample
 from common.schemas import WeightsAnnouncement
 from common.weights import WeightsError, WeightsMismatch, check_fits, confined, load_into, load_state_dict
 from common.weights.adapters import base_identity, base_specs, check_base, load_adapter, read_config
@@ -39,7 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class LocalEngine:
-    nccl_ranks = 1  # weights.transport nccl: this process joins the update group itself
+    # weights.transport nccl: this process joins the update group itself, as one rank
+    capabilities = Capabilities(loads_mid_round=True, nccl_ranks=1)
     # actor.weight_updates in_flight: asked between two decode steps whether to load a new version (set by the actor)
     updates: Updates | None = None
 
@@ -67,7 +58,7 @@ class LocalEngine:
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
         """With in-flight updates (``self.updates``), each sample says which version produced which tokens: a version
         due mid-round is loaded between two decode steps, the cached keys and values kept (``actor.in_flight_kv``
-        keep) or recomputed by a prefill of the unfinished answers (recompute, actor.recompute)."""
+        keep) or recomputed by a prefill of the unfinished answers (recompute, actor.engines.recompute)."""
         updates, limit = (None if greedy else self.updates), self.cfg.sampling.max_new_tokens
         if updates is None:
             return self._generate(prompts, n, limit, greedy=greedy)
@@ -75,6 +66,15 @@ class LocalEngine:
             return generate_recomputing(lambda p, k, most, ask: self._generate(p, k, most, interrupt=ask),
                                         prompts, n, limit, updates)  # fmt: skip
         return self._generate(prompts, n, limit, between_steps=lambda: load_if_due(updates))
+
+    def generate_versioned(
+        self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False
+    ) -> tuple[list[list[Sample]], int | None]:
+        """The engine is the truth about its own version: nothing to report beyond what it holds."""
+        return self.generate(prompts, n, greedy=greedy), None
+
+    def failed(self) -> str | None:
+        return None  # (no server of its own)
 
     def _generate(
         self,
@@ -235,100 +235,3 @@ class LocalEngine:
     def close(self) -> None:
         if self._group is not None:
             self.leave_group(self._group[0])
-
-
-class SimEngine:
-    """Uniformly random completions, produced no faster than ``actor.sim_tokens_per_s``: a load generator.
-
-    Each completion has a random length up to ``sampling.max_new_tokens`` and ends with end-of-sequence when shorter;
-    its log-probs are exact for uniform sampling (-log V per token). Weights are loaded and verified as a real
-    engine would (same I/O, same digest check) and then discarded; only the tokenizer is loaded.
-
-    With ``actor.sim_rounds_in_flight`` k > 1 it stands in for a server that batches concurrent requests: an actor
-    keeps k rounds generating at once (each at ``sim_tokens_per_s``), as on SGLang with ``sglang.rounds_in_flight``.
-
-    With in-flight updates a round's rows are paced as a batched decoder's: step j takes as long as the rows still
-    going make tokens, and each token carries the version held when its step ended; one round at a time, a version
-    due meanwhile is loaded between two steps (``updates``, asked every 20 ms); with rounds in flight the actor loads
-    it while it waits for them, as with SGLang. ``in_flight_kv`` makes no difference here: no keys or values are
-    cached."""
-
-    updates: Updates | None = None
-    _SLICE_S = 0.02  # in-flight pacing: how often a round checks for a version to load
-
-    def __init__(self, cfg: Config, seed: int):
-        from transformers import AutoTokenizer
-
-        self.cfg = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.vocab = len(self.tokenizer)
-        self.eos = self.tokenizer.eos_token_id
-        self.stop_ids: set[int] = set()  # an environment's stop ids mean nothing to random tokens: never used
-        self.rng = np.random.default_rng(seed)
-        self._draws = threading.Lock()  # rounds in flight draw from one generator, one at a time
-        self.version = 0
-        self.rounds_in_flight = cfg.actor.sim_rounds_in_flight
-        self.batches_concurrent_requests = self.rounds_in_flight > 1
-
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, *, greedy: bool = False) -> list[list[Sample]]:
-        t0 = time.perf_counter()  # random either way: greedy means nothing without a model
-        limit = self.cfg.sampling.max_new_tokens
-        logp = -math.log(self.vocab)
-        groups: list[list[Sample]] = []
-        tokens = 0
-        with self._draws:
-            for _ in prompts:
-                group = []
-                for length in self.rng.integers(1, limit + 1, size=n):
-                    draws = self.rng.integers(0, self.vocab, int(length))
-                    ids = [t if t != self.eos else (t + 1) % self.vocab for t in draws]
-                    stopped = length < limit and self.eos is not None
-                    if stopped:
-                        ids[-1] = self.eos
-                    group.append(Sample(ids, [logp] * len(ids), "stop" if stopped else "length"))
-                    tokens += len(ids)
-                groups.append(group)
-        if self.cfg.actor.weight_updates == "in_flight" and not greedy:
-            return self._paced_in_flight(groups, t0, self.updates)
-        time.sleep(max(0.0, tokens / self.cfg.actor.sim_tokens_per_s - (time.perf_counter() - t0)))
-        return groups
-
-    def _paced_in_flight(self, groups: list[list[Sample]], t0: float, updates: Updates | None) -> list[list[Sample]]:
-        lengths = np.array([len(s.token_ids) for g in groups for s in g])
-        steps = int(lengths.max())
-        # The time each decode step ends: step j makes one token for every row longer than j.
-        going = np.bincount(lengths, minlength=steps + 1)[::-1].cumsum()[::-1][1:]  # rows longer than j, j < steps
-        ends = t0 + np.cumsum(going) / self.cfg.actor.sim_tokens_per_s
-        versions = np.zeros(steps, dtype=np.int64)
-        done = 0
-        while done < steps:
-            now = time.perf_counter()
-            reached = int(np.searchsorted(ends, now, side="right"))
-            versions[done:reached] = self.version
-            done = max(done, reached)
-            if done < steps:
-                if updates is not None:
-                    load_if_due(updates)
-                time.sleep(max(0.0, min(self._SLICE_S, float(ends[done]) - time.perf_counter())))
-        return [[replace(s, versions=version_runs(versions[: len(s.token_ids)].tolist())) for s in g] for g in groups]
-
-    def load(self, ann: WeightsAnnouncement) -> int:
-        _, nbytes = load_state_dict(ann, root=self.cfg.weights.dir)
-        self.version = ann.version
-        return nbytes
-
-    def close(self) -> None:
-        pass
-
-
-def make_engine(cfg: Config, seed: int, *, name: str = "", on_event: Callable[[str], None] = lambda _: None) -> Engine:
-    """``name`` (the actor's id) names a SGLang server the engine launches; ``on_event`` counts what it survived."""
-    if cfg.actor.engine == "local":
-        return LocalEngine(cfg, seed)
-    if cfg.actor.engine == "sim":
-        return SimEngine(cfg, seed)
-    if cfg.actor.engine == "sglang":
-        from actor.sglang_engine import SGLangEngine
-
-        return SGLangEngine(cfg, seed, name=name, on_event=on_event)
-    raise ValueError(f"unknown engine {cfg.actor.engine!r}")

@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from actor.engine_protocol import Engine
-from actor.inflight import sampled_aside
+from actor.engines.base import Engine
+from actor.rounds import sampled_aside
 from common.config import Config
 from common.schemas import WeightsAnnouncement
 
@@ -114,6 +114,6 @@ def in_flight_updates(
     if cfg.actor.weight_updates != "in_flight":
         return None
     updates = InFlightUpdates(newer, load, woken, midway=midway)
-    if hasattr(engine, "updates") and not sampled_aside(cfg, engine):
+    if engine.capabilities.loads_mid_round and not sampled_aside(cfg, engine):
         engine.updates = updates
     return updates

@@ -12,8 +12,8 @@
   new ``weight_version``), so the actor asks ``/flush_cache?timeout=…`` until the server takes it (bounded, logged,
   counted) and then ``/update_weight_version``, which brings ``/model_info`` up to date (it is not, after that 400).
 - learner.lora: each version's adapter through ``/load_lora_adapter`` and named by every ``/generate`` request
-  (``lora_path``), the one before unloaded (actor.sglang_lora); the server must have been started with LoRA on
-  (checked at start through ``/server_info``), which SGLang does on GPUs only.
+  (``lora_path``), the one before unloaded (actor.engines.sglang.adapters); the server must have been started
+  with LoRA on (checked at start through ``/server_info``), which SGLang does on GPUs only.
 - actor.weight_updates in_flight: a version is loaded while requests are generating, between
   ``/pause_generation`` (``in_place`` or ``retract``, from actor.in_flight_kv) and ``/continue_generation``, and each
   sample says which version produced which of its tokens (``meta_info.weight_versions``). Retracted requests leave
@@ -23,7 +23,7 @@
 - ``GET /health`` for readiness. Requests are retried a bounded number of times on connection errors and 5xx, except
   when the server this actor launched has died: that is said at once.
 
-The server is either given (``sglang.url``) or launched as this process's child (``actor/sglang_server.py``), which
+The server is either given (``sglang.url``) or launched as this process's child (actor.engines.sglang.server), which
 dies with the actor. Building requests and reading replies are pure functions, tested on their own.
 """
 
@@ -34,18 +34,23 @@ import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from actor.engine_protocol import EngineError
-from actor.sglang_api import PAUSE_MODES, generate_request, loaded_but_not_flushed, parse_samples, version_number
-from actor.sglang_lora import adapter_name, already_loaded, launch_args, load_body, load_refusal, uncovered
-from actor.sglang_server import LaunchedServer
-from actor.unannounced import Unannounced, reply_names
+from actor.engines.base import Capabilities, EngineError, Updates
+from actor.engines.sglang.adapters import adapter_name, already_loaded, launch_args, load_body, load_refusal, uncovered
+from actor.engines.sglang.client import SGLangClient
+from actor.engines.sglang.requests import (
+    PAUSE_MODES,
+    generate_request,
+    loaded_but_not_flushed,
+    parse_samples,
+    version_number,
+)
+from actor.engines.sglang.server import LaunchedServer
+from actor.engines.sglang.unannounced import Unannounced, reply_names
 from common.config import Config
 from common.metrics import EngineEvent
 from common.rollout import Sample
@@ -58,69 +63,6 @@ log = logging.getLogger(__name__)
 
 
 # -- the client -------------------------------------------------------------------------------------------------
-
-
-class SGLangClient:
-    """JSON over HTTP with bounded retries (connection errors and 5xx), logged ``attempt i/n``."""
-
-    def __init__(self, url: str, timeout_s: float, retries: int, gone: Callable[[], str | None] = lambda: None):
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self.gone = gone  # why the server is known to be dead (a launched one): no point in retrying
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        ok_statuses: tuple[int, ...] = (),
-        timeout_s: float | None = None,
-        retries: int | None = None,
-    ) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        total = (self.retries if retries is None else retries) + 1
-        for attempt in range(1, total + 1):
-            req = urllib.request.Request(self.url + path, data=data, method=method)
-            req.add_header("Content-Type", "application/json")
-            try:
-                with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
-                    return _reply_body(resp.read())
-            except urllib.error.HTTPError as e:
-                raw = e.read()
-                if e.code in ok_statuses:  # an answer, not a failure (e.g. 400 with success: false)
-                    return _reply_body(raw)
-                if e.code < 500 or attempt == total:
-                    raise EngineError(f"{method} {path}: HTTP {e.code}: {raw[:500].decode(errors='replace')}") from None
-                error: Exception = e
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-                if why := self.gone():
-                    raise EngineError(why) from None
-                if attempt == total:
-                    raise EngineError(f"{method} {path}: {e} (after {total} attempts)") from None
-                error = e
-            log.warning("sglang %s %s: %s (attempt %d/%d, retrying)", method, path, error, attempt, total)
-            time.sleep(min(5.0, 0.2 * 2**attempt))
-        raise AssertionError("unreachable")
-
-    def healthy(self) -> bool:
-        try:
-            req = urllib.request.Request(self.url + "/health")
-            with urllib.request.urlopen(req, timeout=min(self.timeout_s, 30.0)) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
-
-
-def _reply_body(raw: bytes) -> Any:
-    """JSON, or the text some endpoints answer with (``/flush_cache``)."""
-    if not raw:
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace")
 
 
 def _stop_ids(model_path: str, tokenizer: Any) -> set[int]:
@@ -177,8 +119,11 @@ class SGLangEngine:
         )
         if cfg.learner.lora.rank:
             self._check_lora()
-        # weights.transport nccl: the server's ranks in the update group are its tensor-parallel workers
-        self.nccl_ranks = self._update_group_ranks() if cfg.weights.transport == "nccl" else 0
+        # The server batches concurrent requests (continuous batching): an actor keeps sglang.rounds_in_flight going,
+        # and loads versions mid-round while it waits for them. weights.transport nccl: the server's ranks in the
+        # update group are its tensor-parallel workers.
+        nccl_ranks = self._update_group_ranks() if cfg.weights.transport == "nccl" else 0
+        self.capabilities = Capabilities(True, sc.rounds_in_flight, nccl_ranks=nccl_ranks)
 
     def _check_lora(self) -> None:
         """learner.lora: the server must take adapters of this rank (a launched one is started so; a given one may
@@ -221,8 +166,7 @@ class SGLangEngine:
                 raise EngineError(f"SGLang at {self.client.url} was not healthy after {timeout_s:.0f}s")
             time.sleep(1.0)
 
-    # The server batches concurrent requests (continuous batching): an actor keeps sglang.rounds_in_flight going.
-    batches_concurrent_requests = True
+    updates: Updates | None = None  # (never set: the actor loads versions while it waits for the server's replies)
     adapter: str | None = None  # learner.lora: the loaded adapter every request names (none: the served weights)
     _received: str | None = None  # weights.transport nccl: the round whose weights the server took, unannounced yet
 
@@ -404,7 +348,7 @@ class SGLangEngine:
         raise EngineError(f"the SGLang server loaded weights v{version} but refused to flush its prefix cache "
                           f"{sc.flush_attempts} times: it would serve prefixes computed with old weights")  # fmt: skip
 
-    # -- weights over NCCL (actor/nccl_weights.py, common/weights/nccl.py) -------------------------------------------
+    # -- weights over NCCL (actor/weights/nccl.py, common/weights/nccl.py) -------------------------------------------
 
     def _update_call(self, path: str, body: dict[str, Any], timeout_s: float) -> None:
         """A weight-update call: never retried (each one is a step of a collective), bounded by ``timeout_s``."""
@@ -438,7 +382,7 @@ class SGLangEngine:
     def receive(self, rnd: Round, timeout_s: float) -> int:
         """One weight-update session: each bucket as SGLang's ``flattened_bucket``, the version and a cache flush with
         the last one. Taken once the requests on their way are answered, and none is sent until the decision
-        (actor.unannounced), so no generation sees half a version. The server loads each bucket as it
+        (actor.engines.sglang.unannounced), so no generation sees half a version. The server loads each bucket as it
         comes, so from the first one on it holds weights nobody announced yet: the engine's version is -1, and the
         actor samples nothing, until :meth:`commit`. Raises :class:`WeightsError` when the server refused or failed
         and still answers, :class:`EngineError` when not."""
@@ -485,7 +429,8 @@ class SGLangEngine:
     def discard(self, rnd: Round) -> None:
         """Never announced: the server holds weights nobody announced (version -1, no sampling) until a whole
         announced version is loaded, as after a version that arrived in part. A reply those weights gave (a
-        request sent meanwhile from a round in flight, or an episode's next turn) is refused (actor.unannounced)."""
+        request sent meanwhile from a round in flight, or an episode's next turn) is refused
+        (actor.engines.sglang.unannounced)."""
         self._received = None
         self.version = -1
         self.unannounced.dropped()

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from actor.sglang_lora import launch_args
+from actor.engines.sglang.adapters import launch_args
 from common.config import Config
 from common.metrics import register_endpoint
 from common.net import free_port

@@ -1,6 +1,6 @@
 """``weights.transport: nccl`` with an engine whose requests go out from other threads (SGLang's rounds in flight, an
 episode's later turns): the server takes a broadcast version's weights as they arrive, before its learner has
-announced them (actor.nccl_weights), so a request sent meanwhile is answered by weights that may never be announced:
+announced them (actor.weights.nccl), so a request sent meanwhile is answered by weights that may never be announced:
 a learner frozen after its broadcast and fenced out of the run announces nothing, and a successor publishes its own
 version under the same number.
 

@@ -22,8 +22,9 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Protocol
+from typing import Any
 
+from actor.engines.base import NcclEngine
 from common.config import Config
 from common.metrics import ActorMetrics
 from common.schemas import Round, SchemaError, WeightsAnnouncement
@@ -32,35 +33,6 @@ from common.weights import WeightsError
 from common.weights.nccl import announcement_uri
 
 log = logging.getLogger(__name__)
-
-
-class NcclEngine(Protocol):
-    version: int
-    nccl_ranks: int  # ranks its side of the group takes (a SGLang server's tensor-parallel size)
-
-    def join_group(self, rnd: Round, rank_offset: int, timeout_s: float) -> None: ...
-
-    def leave_group(self, group: str) -> None: ...
-
-    def receive(self, rnd: Round, timeout_s: float) -> int:
-        """Take the round's buckets (the learner is broadcasting them now), not yet in service; returns the bytes
-        received. Raises WeightsError when the engine kept its weights and can go on, EngineError when not."""
-        ...
-
-    def commit(self, rnd: Round) -> None:
-        """The round's version was announced: it is the engine's version from now on."""
-        ...
-
-    def discard(self, rnd: Round) -> None:
-        """The round's version was never announced: what arrived is not served (the engine keeps the version it had,
-        or, where it could not keep the old weights, samples nothing until it loads a whole announced one)."""
-        ...
-
-
-def supports_nccl(engine: Any) -> bool:
-    """Whether the engine can join update groups (nccl_ranks 0: it could in general, this one cannot)."""
-    methods = all(hasattr(engine, a) for a in ("join_group", "leave_group", "receive", "commit", "discard"))
-    return methods and int(getattr(engine, "nccl_ranks", 0)) > 0
 
 
 class Receiver:
@@ -86,7 +58,7 @@ class Receiver:
     def register(self) -> None:
         """Called with every heartbeat, and when the group it is in changes: the learner forms groups of the actors
         registered recently, and a new one when a member is not in the group it was formed into."""
-        info = {"ranks": self.engine.nccl_ranks, "nonce": self.nonce, "group": self.group}
+        info = {"ranks": self.engine.capabilities.nccl_ranks, "nonce": self.nonce, "group": self.group}
         self.transport.nccl_register(self.member, info)
 
     def unregister(self) -> None:
@@ -118,8 +90,8 @@ class Receiver:
         return "no decision in time"
 
     def poll(self, heartbeat: Any = lambda: None) -> bool:
-        """Take part in the learner's current round if it names this actor and is undecided. Returns True when a
-        version arrived."""
+        """A :class:`actor.weights.WeightsSource`: take part in the learner's current round if it names this actor and
+        is undecided. Returns True when a version arrived."""
         if self.stop.is_set():
             return False
         rnd = self.transport.nccl_round()  # SchemaError when malformed, naming what is wrong
