@@ -27,9 +27,9 @@ sys.path.insert(0, str(REPO))
 import harness  # noqa: E402
 import torch  # noqa: E402
 
-from common.net import free_port  # noqa: E402
+from common.ports import free_port  # noqa: E402
 from common.weights import publish  # noqa: E402
-from common.weights.nccl import Round, assign_ranks, close_group, open_group  # noqa: E402
+from common.weights.nccl import NcclRound, assign_ranks, close_group, open_group  # noqa: E402
 
 TIMEOUT_S = 300.0
 
@@ -59,9 +59,9 @@ def receiver(model_dir: str, device: str) -> int:
         if cmd["op"] == "disk":
             engine.load(WeightsAnnouncement.from_hash(cmd["ann"]))
         elif cmd["op"] == "join":
-            engine.join_group(Round.from_json(cmd["round"]), cmd["offset"], TIMEOUT_S)
+            engine.join_group(NcclRound.from_json(cmd["round"]), cmd["offset"], TIMEOUT_S)
         elif cmd["op"] == "recv":  # the buckets, then loaded into the model (as the round's announcement does)
-            rnd = Round.from_json(cmd["round"])
+            rnd = NcclRound.from_json(cmd["round"])
             engine.receive(rnd, TIMEOUT_S)
             engine.commit(rnd)
         print(json.dumps({"done": cmd["op"]}), flush=True)
@@ -115,7 +115,7 @@ def case(model: torch.nn.Module, model_dir: Path, root: Path, k: int, trials: in
     try:
         offsets, world = assign_ranks({f"a{i}": 1 for i in range(k)})
         buckets = snapshot(model, None, "model").buckets
-        rnd = Round("bench", 1, 1, f"bench-{k}", "127.0.0.1", free_port(), world, backend, offsets, buckets)
+        rnd = NcclRound("bench", 1, 1, f"bench-{k}", "127.0.0.1", free_port(), world, backend, offsets, buckets)
         actors.send([{"op": "join", "round": rnd.to_json(), "offset": offsets[f"a{i}"]} for i in range(k)])
         pg = open_group(address=rnd.address, port=rnd.port, world_size=world, rank=0, group_name=rnd.group,
                         backend=backend, timeout_s=TIMEOUT_S)  # fmt: skip

@@ -33,9 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from common.children import stop_process, wait_until  # noqa: E402
 from common.config import RedisConfig, load_config  # noqa: E402
 from common.hardware import machine  # noqa: E402
-from common.procs import stop_process, wait_until  # noqa: E402
 from common.transport import Transport, read_balance  # noqa: E402
 from ops.redis_server import RedisServer  # noqa: E402
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from common.procs import die_with_parent, stop_process
+from common.children import die_with_parent, stop_process
 from common.rollout import GraderErrorKind
 from grader.protocol import HEADER as _HEADER
 from grader.protocol import write_frame

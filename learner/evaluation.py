@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from common.config import Config
-from common.cores import CoreBorrower
+from common.idle_cores import CoreBorrower
 from common.metrics import LearnerMetrics
 from common.model.generation import generate
 from common.rollout import SampleGrader

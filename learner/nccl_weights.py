@@ -30,12 +30,12 @@ import torch
 
 from common.config import Config
 from common.metrics import BroadcastFallback, LearnerMetrics
-from common.net import free_port
+from common.ports import free_port
 from common.schemas import NcclMember
 from common.transport import LearnerTransport, LeaseLost
 from common.weights.nccl import (
     Bucket,
-    Round,
+    NcclRound,
     abort_group,
     assign_ranks,
     close_group,
@@ -144,7 +144,7 @@ class Broadcaster:
         metrics: LearnerMetrics,
         *,
         to_disk: Callable[[int, Snapshot], None],
-        announce_nccl: Callable[[int, Snapshot, Round], None],
+        announce_nccl: Callable[[int, Snapshot, NcclRound], None],
         announced: Callable[[], int] = lambda: -1,
         device: str = "cpu",
     ):
@@ -236,7 +236,7 @@ class Broadcaster:
             return
         t0 = time.perf_counter()
         try:
-            rnd = self._round(version, snap)
+            nccl_round = self._round(version, snap)
         except LeaseLost:  # a fenced write of the round refused: nothing goes to disk either
             raise
         except Exception as e:  # whatever else failed (a member, the network, Redis), the version must still go out
@@ -260,7 +260,7 @@ class Broadcaster:
         self.rounds_ok += 1
         self.metrics.broadcast_seconds.observe(seconds)
         try:
-            self.announce_nccl(version, snap, rnd)  # the members take it into service once they read this
+            self.announce_nccl(version, snap, nccl_round)  # the members take it into service once they read this
         except LeaseLost:
             raise
         except Exception:  # the members drop what they received; the next version's announcement brings them on
@@ -273,7 +273,7 @@ class Broadcaster:
         if self.transport.lease_token():
             self.transport.renew_lease()
 
-    def _round(self, version: int, snap: Snapshot) -> Round:
+    def _round(self, version: int, snap: Snapshot) -> NcclRound:
         members = self.members()
         if not members:
             raise RoundFailed("no_members", "no actor takes weights over NCCL")
@@ -293,27 +293,27 @@ class Broadcaster:
             group = self.group = _Group(name, _identity(members), ranks, world, port)
         assert group is not None
         self.seq += 1
-        rnd = Round(self.session, self.seq, version, group.name, self.address, group.port, group.world_size,
+        nccl_round = NcclRound(self.session, self.seq, version, group.name, self.address, group.port, group.world_size,
                     self.wc.nccl_backend, group.ranks, snap.buckets)  # fmt: skip
-        self.transport.nccl_open_round(rnd)
+        self.transport.nccl_open_round(nccl_round)
         # Nobody enters the group's rendezvous or a broadcast until every member said it is ready: a member that is
         # slow or gone cancels the round before anyone is inside a collective that could not complete.
         deadline = time.monotonic() + timeout
         while True:
-            missing = set(group.ranks) - self.transport.nccl_ready_members(rnd.id)
+            missing = set(group.ranks) - self.transport.nccl_ready_members(nccl_round.id)
             if not missing:
                 break
             if self._closing:
-                self.transport.nccl_decide(rnd.id, "cancel")
+                self.transport.nccl_decide(nccl_round.id, "cancel")
                 raise RoundFailed("closing", "the learner is stopping")
             if time.monotonic() > deadline:
-                self.transport.nccl_decide(rnd.id, "cancel")
+                self.transport.nccl_decide(nccl_round.id, "cancel")
                 raise RoundFailed("not_ready", f"{sorted(missing)} not ready after {timeout:.0f}s")
             time.sleep(0.02)
         if fresh:
             # Members join now; rank 0's store waits until all of them are connected, and only then does anyone
             # go on to a collective (NCCL forms its communicator there, and SGLang would wait in it for long).
-            self.transport.nccl_decide(rnd.id, "join")
+            self.transport.nccl_decide(nccl_round.id, "join")
             try:
                 group.pg = open_group(
                     address=self.address, port=group.port, world_size=group.world_size, rank=0,
@@ -321,14 +321,14 @@ class Broadcaster:
                     collective_timeout_s=max(3600.0, 10 * timeout),
                 )  # fmt: skip
             except Exception as e:
-                self.transport.nccl_decide(rnd.id, "cancel")
+                self.transport.nccl_decide(nccl_round.id, "cancel")
                 raise RoundFailed("join", f"the update group {group.name} did not form: {e}") from None
-        self.transport.nccl_decide(rnd.id, "go")
+        self.transport.nccl_decide(nccl_round.id, "go")
         try:
             send_buckets(group.pg, snap, timeout, self.wc.nccl_backend, self.device)
         except Exception as e:
             raise RoundFailed("broadcast", f"broadcast to {group.name} failed: {e}") from None
-        return rnd
+        return nccl_round
 
     def _close_group(self, abort: bool = False) -> None:
         if self.group is not None and self.group.pg is not None:

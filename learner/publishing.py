@@ -24,7 +24,7 @@ from common.storage import writing
 from common.transport import LearnerTransport
 from common.weights import newest_on_disk, publish, tensors_digest
 from common.weights.adapters import base_identity
-from common.weights.nccl import Round, announcement_uri
+from common.weights.nccl import NcclRound, announcement_uri
 from learner.distributed import Ranks
 from learner.fencing import superseded_versions
 from learner.nccl_weights import Broadcaster, Snapshot, snapshot
@@ -169,16 +169,16 @@ class Publisher:
     def _fall_back(self, version: int, snap: Snapshot) -> None:
         self._write(version, snap.tensors())
 
-    def _announce_nccl(self, version: int, snap: Snapshot, rnd: Round) -> None:
-        """Announce a version the members of round ``rnd`` received over NCCL (``format: nccl``, the ``uri`` naming
-        the round): they take it into service when they read this, a write behind the lease's fence, so a learner
+    def _announce_nccl(self, version: int, snap: Snapshot, nccl_round: NcclRound) -> None:
+        """Announce a version the members of round ``nccl_round`` received over NCCL (``format: nccl``, the ``uri``
+        naming the round): they take it into service when they read this, a write behind the lease's fence, so a learner
         that lost the run after its broadcast never has its bytes served. The digest (of the bytes sent) names the
         contents."""
         checked, nbytes = tensors_digest(snap.flats, self.cfg.weights.digest)
         with self._publish_lock:
             if version <= self._announced:
                 return
-            self._announce(WeightsAnnouncement(version, announcement_uri(rnd), checked, format="nccl"))
+            self._announce(WeightsAnnouncement(version, announcement_uri(nccl_round), checked, format="nccl"))
             self._announced = version
         self.metrics.publish_bytes.set(nbytes)
 

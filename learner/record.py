@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from common.config import Config
 from common.metrics import LearnerMetrics
-from common.pace import eta_s, step_line
+from common.step_line import eta_s, step_line
 from common.storage import StorageError, fsync_dir, fsync_file, writing
 from common.transport import LearnerTransport, read_balance
 from learner.alarms import Alarms
@@ -127,7 +127,7 @@ class Record:
         m.step_seconds.observe(row["time/step_s"])
 
     def log_progress(self, row: dict[str, Any]) -> None:
-        """Every ``learner.log_every`` steps and at the last, the step's line (common.pace.step_line) in the log:
+        """Every ``learner.log_every`` steps and at the last, the step's line (common.step_line.step_line) in the log:
         a learner run alone (docker compose, Kubernetes) says how it goes without a dashboard."""
         self._recent = [*self._recent[-40:], row]
         every, steps = self.cfg.learner.log_every, self.cfg.run.steps

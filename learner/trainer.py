@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from common.config import Config
-from common.cores import adjust_within, core_borrower
 from common.grpo.advantages import group_advantages
 from common.grpo.logprobs import gather_tokens, scaled_log_softmax
 from common.hardware import describe_device, resolve_bf16
+from common.idle_cores import adjust_within, core_borrower
 from common.model.lora import is_lora
 from common.schemas import FilteredStats, GroupMessage
 from learner.batch import Batch, assemble, env_share, micro_batches, sampled_reward_stats, version_spread

@@ -16,7 +16,7 @@ from rich.live import Live
 from rich.table import Table
 
 from common.config import Config
-from common.pace import clock, eta_s, fmt, step_line
+from common.step_line import clock, eta_s, fmt, step_line
 from common.transport import choices_of
 
 _PLAIN_EVERY_S = 5.0

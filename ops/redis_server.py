@@ -21,8 +21,8 @@ from pathlib import Path
 
 import redis
 
-from common.net import free_port
-from common.procs import die_with_parent, stop_process
+from common.children import die_with_parent, stop_process
+from common.ports import free_port
 
 log = logging.getLogger(__name__)
 

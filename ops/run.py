@@ -30,12 +30,12 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from pydantic import SecretStr
 
+from common.children import die_with_parent, stop_process
 from common.cli import EXIT_USAGE, role_parser
 from common.config import Config, ConfigError, check_device, check_engine, load_config, mask_url, write_resolved
 from common.log import setup_logging
 from common.metrics import gather_endpoints
 from common.model.importing import prepare_model_path
-from common.procs import die_with_parent, stop_process
 from common.transport import Transport, read_balance
 
 if TYPE_CHECKING:

@@ -87,7 +87,7 @@ class Processes:
         return self.start([sys.executable, "-m", "common.cli", *args], log, env)
 
     def stop_all(self) -> None:
-        from common.procs import stop_process
+        from common.children import stop_process
 
         for proc in self.procs:
             stop_process(proc, grace_s=10)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common.rollout import Sample
-from common.schemas import Round, WeightsAnnouncement
+from common.schemas import NcclRound, WeightsAnnouncement
 
 
 class EngineError(RuntimeError):
@@ -109,20 +109,20 @@ class NcclEngine(Engine, Protocol):
     """An engine with ``capabilities.nccl_ranks`` > 0: it takes weights over NCCL (``weights.transport: nccl``;
     actor.weights.nccl is the actor's side of the protocol, common.weights.nccl what both sides agree on)."""
 
-    def join_group(self, rnd: Round, rank_offset: int, timeout_s: float) -> None: ...
+    def join_group(self, nccl_round: NcclRound, rank_offset: int, timeout_s: float) -> None: ...
 
     def leave_group(self, group: str) -> None: ...
 
-    def receive(self, rnd: Round, timeout_s: float) -> int:
+    def receive(self, nccl_round: NcclRound, timeout_s: float) -> int:
         """Take the round's buckets (the learner is broadcasting them now), not yet in service; returns the bytes
         received. Raises WeightsError when the engine kept its weights and can go on, EngineError when not."""
         ...
 
-    def commit(self, rnd: Round) -> None:
+    def commit(self, nccl_round: NcclRound) -> None:
         """The round's version was announced: it is the engine's version from now on."""
         ...
 
-    def discard(self, rnd: Round) -> None:
+    def discard(self, nccl_round: NcclRound) -> None:
         """The round's version was never announced: what arrived is not served (the engine keeps the version it had,
         or, where it could not keep the old weights, samples nothing until it loads a whole announced one)."""
         ...

@@ -14,8 +14,8 @@ import torch
 from actor.engines.base import BetweenRounds, Capabilities, Updates, load_if_due
 from actor.engines.recompute import generate_recomputing
 from common.config import Config
-from common.cores import core_borrower
 from common.hardware import describe_device, resolve_bf16
+from common.idle_cores import core_borrower
 from common.model.generation import generate, pad_token_id, stop_token_ids
 from common.model.loading import load_pretrained
 from common.model.lora import adapter_state, is_lora, same_shape, served_config, wrap, wrap_as
@@ -23,7 +23,7 @@ from common.rollout import Sample
 from common.schemas import WeightsAnnouncement
 from common.weights import WeightsError, WeightsMismatch, check_fits, confined, load_into, load_state_dict
 from common.weights.adapters import base_identity, base_specs, check_base, load_adapter, read_config
-from common.weights.nccl import Round, abort_group, close_group, open_group, unflatten, wait_for
+from common.weights.nccl import NcclRound, abort_group, close_group, open_group, unflatten, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -182,30 +182,31 @@ class LocalEngine:
 
     # weights.transport nccl: the same group and buckets a SGLang server takes (common/weights/nccl.py)
 
-    def join_group(self, rnd: Round, rank_offset: int, timeout_s: float) -> None:
+    def join_group(self, nccl_round: NcclRound, rank_offset: int, timeout_s: float) -> None:
         try:
-            pg = open_group(address=rnd.address, port=rnd.port, world_size=rnd.world_size, rank=rank_offset,
-                            group_name=rnd.group, backend=rnd.backend, timeout_s=timeout_s,
+            pg = open_group(address=nccl_round.address, port=nccl_round.port, world_size=nccl_round.world_size,
+            rank=rank_offset,
+                            group_name=nccl_round.group, backend=nccl_round.backend, timeout_s=timeout_s,
                             collective_timeout_s=max(3600.0, 10 * timeout_s))  # fmt: skip
         except Exception as e:  # (torch's DistError and friends)
-            raise WeightsError(f"joining update group {rnd.group}: {e}") from None
-        self._group = (rnd.group, pg)
+            raise WeightsError(f"joining update group {nccl_round.group}: {e}") from None
+        self._group = (nccl_round.group, pg)
 
     def leave_group(self, group: str) -> None:
         if self._group is not None and self._group[0] == group:
             close_group(self._group[1])
             self._group = None
 
-    def receive(self, rnd: Round, timeout_s: float) -> int:
+    def receive(self, nccl_round: NcclRound, timeout_s: float) -> int:
         """Every bucket, kept aside until :meth:`commit` (the round's announcement) loads them at once: a failed
         broadcast, or one its learner never announced, leaves the model as it was."""
         import torch.distributed as dist
 
-        if self._group is None or self._group[0] != rnd.group:
-            raise WeightsError(f"not in the update group {rnd.group}")
-        device = self.cfg.model.device if rnd.backend == "nccl" else "cpu"
+        if self._group is None or self._group[0] != nccl_round.group:
+            raise WeightsError(f"not in the update group {nccl_round.group}")
+        device = self.cfg.model.device if nccl_round.backend == "nccl" else "cpu"
         state: dict[str, torch.Tensor] = {}
-        for b in rnd.buckets:
+        for b in nccl_round.buckets:
             flat = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
             work = dist.broadcast(flat, group_src=0, group=self._group[1], async_op=True)
             try:
@@ -213,22 +214,22 @@ class LocalEngine:
             except TimeoutError as e:  # the model is untouched: the version comes from disk instead
                 abort_group(self._group[1])
                 self._group = None
-                raise WeightsError(f"a bucket of weights v{rnd.version} did not arrive: {e}") from None
+                raise WeightsError(f"a bucket of weights v{nccl_round.version} did not arrive: {e}") from None
             state |= unflatten(flat, b)
-        self._staged = (rnd.id, state)
-        return sum(b.nbytes for b in rnd.buckets)
+        self._staged = (nccl_round.id, state)
+        return sum(b.nbytes for b in nccl_round.buckets)
 
-    def commit(self, rnd: Round) -> None:
+    def commit(self, nccl_round: NcclRound) -> None:
         """The round was announced: its weights replace the model's (learner.lora sends adapters by disk: over NCCL
         come whole weights only)."""
         staged, self._staged = self._staged, None
-        if staged is None or staged[0] != rnd.id:
-            raise WeightsError(f"weights v{rnd.version} of round {rnd.id} were not received")
+        if staged is None or staged[0] != nccl_round.id:
+            raise WeightsError(f"weights v{nccl_round.version} of round {nccl_round.id} were not received")
         self._replace_base(staged[1])
         self._fresh_casts()
-        self.version = rnd.version
+        self.version = nccl_round.version
 
-    def discard(self, rnd: Round) -> None:
+    def discard(self, nccl_round: NcclRound) -> None:
         """Never announced: the weights received are dropped, the model's stay (its version too)."""
         self._staged = None
 

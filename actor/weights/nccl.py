@@ -27,7 +27,7 @@ from typing import Any
 from actor.engines.base import NcclEngine
 from common.config import Config
 from common.metrics import ActorMetrics
-from common.schemas import Round, SchemaError, WeightsAnnouncement
+from common.schemas import NcclRound, SchemaError, WeightsAnnouncement
 from common.transport import ActorTransport
 from common.weights import WeightsError
 from common.weights.nccl import announcement_uri
@@ -77,12 +77,12 @@ class Receiver:
             self.group = None
             self.register()
 
-    def _decision(self, rnd: Round, waiting_for: tuple[str, ...], heartbeat: Any) -> str:
-        """Wait for one of the learner's decisions on ``rnd``, longer than the learner itself waits for its members
-        (its decision, cancel included, is what ends the wait)."""
+    def _decision(self, nccl_round: NcclRound, waiting_for: tuple[str, ...], heartbeat: Any) -> str:
+        """Wait for one of the learner's decisions on ``nccl_round``, longer than the learner itself waits for its
+        members (its decision, cancel included, is what ends the wait)."""
         deadline = time.monotonic() + 1.5 * self.cfg.weights.nccl_timeout_s
         while time.monotonic() < deadline and not self.stop.is_set():
-            decision = self.transport.nccl_decision(rnd.id)
+            decision = self.transport.nccl_decision(nccl_round.id)
             if decision in waiting_for or decision == "cancel":
                 return decision
             heartbeat()
@@ -94,71 +94,80 @@ class Receiver:
         is undecided. Returns True when a version arrived."""
         if self.stop.is_set():
             return False
-        rnd = self.transport.nccl_round()  # SchemaError when malformed, naming what is wrong
-        if rnd is None:
+        nccl_round = self.transport.nccl_round()  # SchemaError when malformed, naming what is wrong
+        if nccl_round is None:
             return False
-        if rnd.id == self.last or self.member not in rnd.ranks:
+        if nccl_round.id == self.last or self.member not in nccl_round.ranks:
             return False
-        self.last = rnd.id
-        if self.transport.nccl_decision(rnd.id) is not None:  # decided without us (we came too late): next time
+        self.last = nccl_round.id
+        if self.transport.nccl_decision(nccl_round.id) is not None:  # decided without us (we came too late): next time
             return False
         timeout = self.cfg.weights.nccl_timeout_s
         t0 = time.perf_counter()
-        self.transport.nccl_ready(rnd.id, self.member)
-        decision = self._decision(rnd, ("join", "go"), heartbeat)
+        self.transport.nccl_ready(nccl_round.id, self.member)
+        decision = self._decision(nccl_round, ("join", "go"), heartbeat)
         if decision == "join":  # a new group: every member joins it now, the learner too
             self._leave()
             try:
-                reachable(rnd.address, rnd.port, min(timeout, 10.0))
-                self.engine.join_group(rnd, rnd.ranks[self.member], timeout)
+                reachable(nccl_round.address, nccl_round.port, min(timeout, 10.0))
+                self.engine.join_group(nccl_round, nccl_round.ranks[self.member], timeout)
             except WeightsError as e:  # the learner's join fails too, and it forms a new group next time
-                log.warning("could not join the update group %s: %s", rnd.group, e)
+                log.warning("could not join the update group %s: %s", nccl_round.group, e)
                 return False
-            self.group = rnd.group
+            self.group = nccl_round.group
             self.register()
-            decision = self._decision(rnd, ("go",), heartbeat)
+            decision = self._decision(nccl_round, ("go",), heartbeat)
         if decision != "go":
-            log.info("weights v%d: the learner cancelled its broadcast (%s); it comes from disk", rnd.version,
+            log.info("weights v%d: the learner cancelled its broadcast (%s); it comes from disk", nccl_round.version,
                      decision)  # fmt: skip
             return False
-        if rnd.group != self.group:  # not the group we are in (should not happen: the learner forms a new one then)
-            log.warning("weights v%d go to update group %s, this actor is in %s", rnd.version, rnd.group, self.group)
+        if (
+            nccl_round.group != self.group
+        ):  # not the group we are in (should not happen: the learner forms a new one then)
+            log.warning(
+                "weights v%d go to update group %s, this actor is in %s",
+                nccl_round.version,
+                nccl_round.group,
+                self.group,
+            )
             return False
         try:
-            nbytes = self.engine.receive(rnd, timeout)
+            nbytes = self.engine.receive(nccl_round, timeout)
         except WeightsError as e:  # (an EngineError, a server that stopped answering, ends the actor)
             # The group may be broken now: leave it; the learner forms a new one for the next version.
             log.warning("%s; it comes from disk", e)
             self._leave()
             return False
-        return self._serve(rnd, heartbeat, t0, nbytes)
+        return self._serve(nccl_round, heartbeat, t0, nbytes)
 
-    def _serve(self, rnd: Round, heartbeat: Any, t0: float, nbytes: int) -> bool:
+    def _serve(self, nccl_round: NcclRound, heartbeat: Any, t0: float, nbytes: int) -> bool:
         """The round's buckets arrived: serve them once its learner has announced them (behind its fence), else
         drop them."""
         try:
-            why = self._announcement(rnd, heartbeat)
+            why = self._announcement(nccl_round, heartbeat)
         except BaseException:  # (Redis gone past its retries: the actor stops; nothing unannounced is kept)
-            self.engine.discard(rnd)
+            self.engine.discard(nccl_round)
             raise
         if why:
-            self.engine.discard(rnd)
-            log.warning("weights v%d arrived over NCCL (round %s) but %s: not used", rnd.version, rnd.id, why)
+            self.engine.discard(nccl_round)
+            log.warning(
+                "weights v%d arrived over NCCL (round %s) but %s: not used", nccl_round.version, nccl_round.id, why
+            )
             return False
         try:
-            self.engine.commit(rnd)
+            self.engine.commit(nccl_round)
         except WeightsError as e:  # (they did not fit the model: it is as it was)
             log.warning("%s; it comes from disk", e)
             return False
         seconds = time.perf_counter() - t0
         self.metrics.weight_load_seconds.labels("nccl").observe(seconds)
-        self.metrics.policy_version.set(rnd.version)
-        log.debug("received weights v%d (%.1f MB) over NCCL in %.3fs, announced (round %s)", rnd.version,
-                  nbytes / 1e6, seconds, rnd.id)  # fmt: skip
+        self.metrics.policy_version.set(nccl_round.version)
+        log.debug("received weights v%d (%.1f MB) over NCCL in %.3fs, announced (round %s)", nccl_round.version,
+                  nbytes / 1e6, seconds, nccl_round.id)  # fmt: skip
         return True
 
-    def _announcement(self, rnd: Round, heartbeat: Any) -> str:
-        """Wait for the announcement of ``rnd`` (the learner writes it, behind its fence, once its broadcast is
+    def _announcement(self, nccl_round: NcclRound, heartbeat: Any) -> str:
+        """Wait for the announcement of ``nccl_round`` (the learner writes it, behind its fence, once its broadcast is
         complete): '' once ``weights:latest`` names the round; else why not: it announces another version of that
         number or above (another learner's, or the version went to disk), or changed to another one, or none came
         within ``weights.nccl_timeout_s``."""
@@ -166,9 +175,9 @@ class Receiver:
         before = self._latest()
         while True:
             ann = self._latest()
-            if announces(ann, rnd):
+            if announces(ann, nccl_round):
                 return ""
-            if ann is not None and (ann != before or ann.version >= rnd.version):  # a newer one, or another's
+            if ann is not None and (ann != before or ann.version >= nccl_round.version):  # a newer one, or another's
                 return f"weights:latest announces v{ann.version} ({ann.uri}) instead"
             if self.stop.is_set():
                 return "the actor is stopping"
@@ -184,9 +193,14 @@ class Receiver:
             return None
 
 
-def announces(ann: WeightsAnnouncement | None, rnd: Round) -> bool:
-    """Whether ``ann`` is the announcement of the version sent in ``rnd`` (by its learner, under its fence)."""
-    return ann is not None and ann.format == "nccl" and ann.version == rnd.version and ann.uri == announcement_uri(rnd)
+def announces(ann: WeightsAnnouncement | None, nccl_round: NcclRound) -> bool:
+    """Whether ``ann`` is the announcement of the version sent in ``nccl_round`` (by its learner, under its fence)."""
+    return (
+        ann is not None
+        and ann.format == "nccl"
+        and ann.version == nccl_round.version
+        and ann.uri == announcement_uri(nccl_round)
+    )
 
 
 def reachable(address: str, port: int, timeout_s: float) -> None:

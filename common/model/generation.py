@@ -101,7 +101,7 @@ def generate(
     """``n`` completions for each prompt (prompt-major), sampled at ``temperature`` or greedy when it is None.
     Greedy completions carry log-probs (at temperature 1, as a SGLang server reports them) only when
     ``greedy_logprobs`` asks for them. ``each_step`` is called before every forward of the decode loop (the torch
-    threads chosen there: common.cores; a weights load between two steps), after the step's log-probs are recorded.
+    threads chosen there: common.idle_cores; a weights load between two steps), after the step's log-probs are recorded.
     ``version``: each sample's tokens carry the version it returned when their logits were computed
     (``Sample.versions``). ``interrupt``: asked after every step; when it says yes, generation stops there for every
     row, and the unfinished rows come back with the tokens they have and finish reason "length" (the caller, who

@@ -69,7 +69,7 @@ token the model's), so groups left in a stream by an older build are trained, no
 
 Weights over NCCL (learner ⇄ actors, through Redis; the protocol is common.weights.nccl's)
     ``NcclMember`` (actor → hash ``nccl:members``): JSON ``{"ranks", "nonce", "group", "at"}``, ``at`` on Redis's
-    clock. ``Round`` (learner → ``nccl:round``): compact JSON of the round and its ``Bucket``s (names, dtypes,
+    clock. ``NcclRound`` (learner → ``nccl:round``): compact JSON of the round and its ``Bucket``s (names, dtypes,
     shapes); its id is ``<session>:<seq>``, what members write to ``nccl:ready``. ``NcclDecision`` (learner →
     ``nccl:state``): ``<round id>:<join|go|cancel>``.
 
@@ -107,7 +107,7 @@ from common.schemas.control import (
     NcclDecision,
     NcclDecisionName,
     NcclMember,
-    Round,
+    NcclRound,
     WeightsAnnouncement,
 )
 from common.schemas.fields import SchemaError, as_text
@@ -190,12 +190,12 @@ __all__ = [
     "NcclDecision",
     "NcclDecisionName",
     "NcclMember",
+    "NcclRound",
     "PromptClaim",
     "PromptCounters",
     "PromptKind",
     "PromptPool",
     "Reservation",
-    "Round",
     "RunCounters",
     "RunIdentity",
     "SchemaError",

@@ -176,7 +176,7 @@ DTYPES = tuple(DTYPE_SIZES)
 
 @dataclass(frozen=True)
 class Bucket:
-    """Tensors broadcast as one flattened bucket (part of a :class:`Round`): their names, dtypes and shapes, in the
+    """Tensors broadcast as one flattened bucket (part of a :class:`NcclRound`): their names, dtypes and shapes, in the
     order their bytes follow each other."""
 
     names: list[str]
@@ -211,7 +211,7 @@ _ROUND_KEYS = {"session", "seq", "version", "group", "address", "port", "world_s
 
 
 @dataclass(frozen=True)
-class Round:
+class NcclRound:
     """One version on its way (learner → string ``nccl:round`` → every member), as compact JSON of its fields."""
 
     session: str  # the learner process's: rounds of another learner (a restarted one) are never mistaken for ours
@@ -234,8 +234,8 @@ class Round:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> Round:
-        """The round's JSON → a validated Round, or SchemaError with a one-line reason."""
+    def from_json(cls, raw: str | bytes) -> NcclRound:
+        """The round's JSON → a validated NcclRound, or SchemaError with a one-line reason."""
         d = json_map(raw, "nccl round")
         d = keys_of(d if "buckets" in d else {**d, "buckets": []}, "nccl round", _ROUND_KEYS)
         if not isinstance(ranks := d["ranks"], dict):
@@ -261,7 +261,7 @@ _DECISIONS = ("join", "go", "cancel")
 @dataclass(frozen=True)
 class NcclDecision:
     """The learner's decision on a round (learner → string ``nccl:state`` → members): ``<round id>:<decision>``,
-    the round id being :attr:`Round.id`. ``join``: members join the round's new group; ``go``: the learner
+    the round id being :attr:`NcclRound.id`. ``join``: members join the round's new group; ``go``: the learner
     broadcasts now; ``cancel``: it does not (the version goes to disk)."""
 
     round_id: str

@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any, cast
 
-from common.schemas import Heartbeat, NcclDecision, NcclDecisionName, NcclMember, Round, SchemaError, as_text
+from common.schemas import Heartbeat, NcclDecision, NcclDecisionName, NcclMember, NcclRound, SchemaError, as_text
 from common.transport.connection import Connection
 from common.transport.lease import Fenced, Leasing
 
@@ -43,10 +43,10 @@ class Member(Connection):
     def nccl_unregister(self, member: str) -> None:
         self._do(lambda: self.client.hdel(self.keys.nccl_members, member))
 
-    def nccl_round(self) -> Round | None:
+    def nccl_round(self) -> NcclRound | None:
         """The current round; None when there is none; SchemaError (one line) when it is malformed."""
         raw = cast("bytes | None", self._do(lambda: self.client.get(self.keys.nccl_round)))
-        return None if raw is None else Round.from_json(raw)
+        return None if raw is None else NcclRound.from_json(raw)
 
     def nccl_ready(self, round_id: str, member: str) -> None:
         """``round_id``: the learner's session and the round's sequence number, ``<session>:<seq>``."""
@@ -62,7 +62,7 @@ class Member(Connection):
         if value is None:
             return "cancel"
         try:
-            current = Round.from_json(value).id
+            current = NcclRound.from_json(value).id
         except SchemaError:
             return "cancel"
         return None if current == round_id else "cancel"
@@ -100,10 +100,10 @@ class Fleet(Leasing):
     def _hdel_if(self, key: str, field: Any, value: Any) -> None:
         self._hdel_if_script(keys=[key], args=[field, value])
 
-    def nccl_open_round(self, rnd: Round) -> None:
+    def nccl_open_round(self, nccl_round: NcclRound) -> None:
         """Start a round: its description, no one ready yet, no decision (members poll for it)."""
         k = self.keys
-        self.write(("DEL", k.nccl_ready), ("DEL", k.nccl_state), ("SET", k.nccl_round, rnd.to_json()))
+        self.write(("DEL", k.nccl_ready), ("DEL", k.nccl_state), ("SET", k.nccl_round, nccl_round.to_json()))
 
     def nccl_ready_members(self, round_id: str) -> set[str]:
         ready = self._do(lambda: self.client.hgetall(self.keys.nccl_ready))

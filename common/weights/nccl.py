@@ -9,7 +9,7 @@ order, broadcast from rank 0 as one uint8 tensor while each server, inside ``/be
 ``/end_weight_update``, has asked for it with ``POST /update_weights_from_distributed`` (names, dtypes, shapes).
 
 Learner and actors meet through Redis (``nccl:*`` keys, common.transport): actors that can take weights this way
-register as *members* (with the group they are in); for each version the learner writes a :class:`Round` (its
+register as *members* (with the group they are in); for each version the learner writes a :class:`NcclRound` (its
 session and sequence number, the group, its ranks and the buckets) and waits until every member of the round said it
 is ready. Then it says ``cancel`` (someone was not ready in time: the version goes to disk), or, for a new group,
 ``join`` (its rendezvous listens; members check they reach it and join; the learner waits until all are connected)
@@ -24,7 +24,7 @@ learner that lost the run after its "go" (frozen, cut off) may still deliver its
 announcement: the members drop what they received (the local engine never applied it; a SGLang server, which loads
 the buckets as they arrive, serves nothing until a whole announced version is loaded).
 
-Pure pieces (bucket plans, flattening) are tested on their own, and the round's wire form (:class:`Round`,
+Pure pieces (bucket plans, flattening) are tested on their own, and the round's wire form (:class:`NcclRound`,
 :class:`Bucket`) with the wire package (common.schemas); :func:`open_group` is the one place that touches
 torch.distributed.
 """
@@ -41,17 +41,19 @@ from typing import Any, cast
 import torch
 
 # The round and its buckets travel between processes: their forms are the wire package's (imported from here too).
-from common.schemas import DTYPES, Bucket, Round
+from common.schemas import DTYPES, Bucket, NcclRound
 
-__all__ = ["DTYPES", "Bucket", "Round", "abort_group", "announcement_uri", "assign_ranks", "close_group", "dtype_name",
+__all__ = ["DTYPES", "Bucket", "NcclRound", "abort_group", "announcement_uri", "assign_ranks", "close_group",
+"dtype_name",
            "flatten", "open_group", "plan_buckets", "unflatten", "wait_for"]  # fmt: skip
 
 
-def announcement_uri(rnd: Round) -> str:
-    """The ``uri`` of the announcement of a version sent in round ``rnd``: ``nccl://<address>/<group>/<round id>``.
-    A member takes what it received into service only when ``weights:latest`` names exactly this round (the round
-    id carries the learner's session, so a successor's announcement of the same version number never matches)."""
-    return f"nccl://{rnd.address}/{rnd.group}/{rnd.id}"
+def announcement_uri(nccl_round: NcclRound) -> str:
+    """The ``uri`` of the announcement of a version sent in round ``nccl_round``:
+    ``nccl://<address>/<group>/<round id>``. A member takes what it received into service only when
+    ``weights:latest`` names exactly this round (the round id carries the learner's session, so a successor's
+    announcement of the same version number never matches)."""
+    return f"nccl://{nccl_round.address}/{nccl_round.group}/{nccl_round.id}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.procs import wait_until
+from common.children import wait_until
 from tests.conftest import pid_alive
 
 REPO = Path(__file__).resolve().parents[2]

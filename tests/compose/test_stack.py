@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.net import free_port
-from common.procs import wait_until
+from common.children import wait_until
+from common.ports import free_port
 from tests.compose.conftest import run_script, skip_or_fail
 
 # The first test to run builds the images (the module's stack): minutes on a fresh machine, whichever test it is.

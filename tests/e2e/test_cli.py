@@ -171,7 +171,7 @@ def test_a_hub_model_that_cannot_be_fetched_is_one_line(command: str, tmp_path: 
 def test_a_hub_that_cannot_be_reached_is_one_line_in_seconds(tmp_path: Path) -> None:
     """Online, with the hub unreachable (its address a closed loopback port): one try, one line, exit 2 — not
     transformers' minute of retries in every process and its traceback."""
-    from common.net import free_port
+    from common.ports import free_port
 
     env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HOME": str(tmp_path / "hf")}
     args = ["-o", "model.path=no-such-org/no-such-model", "-o", f"run.dir={tmp_path / 'run'}"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common.procs import wait_until
+from common.children import wait_until
 from tests.conftest import pid_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.children import wait_until
 from common.config import RedisConfig
-from common.procs import wait_until
 from common.transport import Transport
 from ops.redis_server import RedisServer
 from tests.faults.runs import run_settings

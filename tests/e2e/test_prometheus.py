@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.net import free_port
-from common.procs import wait_until
+from common.children import wait_until
+from common.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from common.children import wait_until
 from common.config import RedisConfig
-from common.procs import wait_until
 from common.transport import Transport
 from ops.redis_server import RedisServer
 

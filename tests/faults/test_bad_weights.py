@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from common.children import wait_until
 from common.config import RedisConfig
-from common.procs import wait_until
 from common.schemas import SchemaError
 from common.transport import Transport, read_balance
 from tests.faults.runs import run_settings

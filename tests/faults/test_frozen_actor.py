@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from common.children import wait_until
 from common.config import RedisConfig
-from common.procs import wait_until
 from common.transport import Transport, read_balance
 from tests.faults.runs import run_settings
 from tests.faults.test_faults import _tail

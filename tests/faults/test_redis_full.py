@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from common.children import wait_until
 from common.config import RedisConfig
-from common.procs import wait_until
 from common.transport import Transport, read_balance
 from ops.redis_server import RedisServer
 from tests.faults.runs import run_settings

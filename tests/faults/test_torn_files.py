@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from common.children import wait_until
 from common.config import RedisConfig
-from common.procs import wait_until
 from common.transport import Transport, read_balance
 from tests.integration.test_learner_process import WeightsStub, group
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from common.children import wait_until
 from common.config import RedisConfig
-from common.procs import wait_until
 from common.schemas import decode_group
 from common.transport import Transport
 from tests.integration.test_actor_process import actor_args

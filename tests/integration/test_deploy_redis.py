@@ -22,8 +22,8 @@ import pytest
 import redis
 import yaml
 
-from common.net import free_port
-from common.procs import die_with_parent, stop_process, wait_until
+from common.children import die_with_parent, stop_process, wait_until
+from common.ports import free_port
 from ops.redis_server import find_redis_server
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from common.children import wait_until
 from common.config import RedisConfig, TaskConfig
-from common.procs import wait_until
 from common.tasks import make_task
 from common.transport import Transport
 from tests.integration.test_actor_flow import sim_actor

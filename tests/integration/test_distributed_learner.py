@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from common.children import wait_until
 from common.config import RedisConfig
-from common.procs import wait_until
 from common.schemas import Completion, GroupMessage, encode_group
 from common.transport import Transport, read_balance
 from common.weights import load_state_dict

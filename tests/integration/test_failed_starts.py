@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from common.net import free_port
+from common.ports import free_port
 from ops.run import Run
 
 pytestmark = pytest.mark.integration

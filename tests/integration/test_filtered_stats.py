@@ -9,9 +9,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from common.children import wait_until
 from common.config import RedisConfig
 from common.grpo import is_zero_std, overlong_penalty
-from common.procs import wait_until
 from common.schemas import FilteredStats, decode_group
 from common.transport import Transport, read_balance
 from tests.integration.test_actor_flow import actor_groups, sim_actor

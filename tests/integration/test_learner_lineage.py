@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from common.children import wait_until
 from common.config import RedisConfig
-from common.procs import wait_until
 from common.schemas import decode_group, encode_group
 from common.transport import Transport, read_balance
 from tests.integration.test_learner_process import group

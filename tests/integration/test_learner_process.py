@@ -12,8 +12,8 @@ import msgpack
 import numpy as np
 import pytest
 
+from common.children import wait_until
 from common.config import RedisConfig
-from common.procs import wait_until
 from common.schemas import READABLE_VERSIONS, Completion, GroupMessage, decode_group, encode_group
 from common.transport import Transport, read_balance
 

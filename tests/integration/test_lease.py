@@ -8,7 +8,7 @@ import time
 import pytest
 
 from common.config import RedisConfig
-from common.schemas import LeaseHolder, Round, WeightsAnnouncement
+from common.schemas import LeaseHolder, NcclRound, WeightsAnnouncement
 from common.transport import LeaseLost, StreamEntry, Transport, read_balance
 
 pytestmark = pytest.mark.integration
@@ -22,8 +22,8 @@ def me(name: str) -> LeaseHolder:
     return LeaseHolder(0, name, "host-" + name, 100, 0.0)
 
 
-def a_round(seq: int) -> Round:
-    return Round("s", seq, 1, "g", "127.0.0.1", 1, 2, "gloo", {"a1": 1})
+def a_round(seq: int) -> NcclRound:
+    return NcclRound("s", seq, 1, "g", "127.0.0.1", 1, 2, "gloo", {"a1": 1})
 
 
 def snapshot(t: Transport) -> dict[bytes, bytes | None]:

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
+from common.children import wait_until
 from common.config import RedisConfig
 from common.metrics import gather_endpoints
-from common.procs import wait_until
 from common.transport import Transport
 from tests.conftest import pid_alive
 from tests.integration.test_actor_flow import sim_actor

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.children import wait_until
 from common.config import RedisConfig
 from common.grpo.logprobs import token_logprobs
-from common.procs import wait_until
 from common.schemas import decode_group
 from common.transport import Transport
 from common.weights import publish

@@ -20,12 +20,12 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from common.children import wait_until
 from common.config import Config, RedisConfig
 from common.metrics import LearnerMetrics
 from common.model.loading import load_pretrained
-from common.net import free_port
-from common.procs import wait_until
-from common.schemas import LeaseHolder, Round, WeightsAnnouncement
+from common.ports import free_port
+from common.schemas import LeaseHolder, NcclRound, WeightsAnnouncement
 from common.transport import LeaseLost, Transport
 from common.weights import publish, tensors_digest
 from common.weights.nccl import announcement_uri, flatten, plan_buckets
@@ -68,7 +68,7 @@ class Recorder:
     def to_disk(self, v: int, snap: Snapshot) -> None:
         self.disk.append(v)
 
-    def announce(self, v: int, snap: Snapshot, rnd: Round) -> None:
+    def announce(self, v: int, snap: Snapshot, rnd: NcclRound) -> None:
         self.nccl.append(v)
         if v not in self.withheld:
             digest = tensors_digest(snap.flats, "xxh3-128")[0]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from common.config import RedisConfig
-from common.net import free_port
+from common.ports import free_port
 from common.schemas import LeaseHolder
 from common.transport import Transport, read_balance
 from tests.unit.test_schemas import make_group

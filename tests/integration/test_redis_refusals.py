@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from common.config import RedisConfig
-from common.net import free_port
+from common.ports import free_port
 from common.schemas import LeaseHolder
 from common.transport import RedisUnavailable, Transport, read_balance, refusal
 from ops.redis_server import RedisServer

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from common.children import stop_process, wait_until
 from common.config import ConfigError, RedisConfig, load_config, mask_url
-from common.net import free_port
-from common.procs import stop_process, wait_until
+from common.ports import free_port
 from common.transport import CONSUMER_GROUP, Transport, parse_sentinel_url
 from ops.redis_server import RedisServer, find_redis_server
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from common.children import wait_until
 from common.config import RedisConfig, load_config
 from common.metrics import gather_endpoints
-from common.net import free_port
-from common.procs import wait_until
+from common.ports import free_port
 from common.rollout import Sample
 from common.schemas import decode_group
 from common.tasks import Problem

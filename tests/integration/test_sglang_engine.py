@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from actor.engines.sglang.engine import EngineError, generate_request, parse_samples
+from common.children import wait_until
 from common.config import RedisConfig
-from common.procs import wait_until
 from common.schemas import WeightsAnnouncement, decode_group
 from common.transport import Transport
 from common.weights import publish
@@ -243,11 +243,11 @@ def test_a_reply_from_broadcast_weights_waits_for_their_announcement_and_is_refu
     from actor.engines.sglang.engine import SGLangEngine
     from actor.engines.sglang.unannounced import UnannouncedWeights
     from common.config import load_config
-    from common.schemas.control import Round
+    from common.schemas.control import NcclRound
 
-    def took_broadcast(standin: StandIn, engine: SGLangEngine, version: int) -> Round:
+    def took_broadcast(standin: StandIn, engine: SGLangEngine, version: int) -> NcclRound:
         """A round's weights received (no buckets here; the last one names the version on the server)."""
-        rnd = Round("s", version, version, "g", "127.0.0.1", 1, 2, "gloo", {"a": 1})
+        rnd = NcclRound("s", version, version, "g", "127.0.0.1", 1, 2, "gloo", {"a": 1})
         engine.receive(rnd, 5.0)
         standin.scheduler_version = str(version)  # what SGLang reports once the last bucket is in
         standin.paused.serving(str(version))

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from common.config import RedisConfig
-from common.schemas import Heartbeat, Round, WeightsAnnouncement
+from common.schemas import Heartbeat, NcclRound, WeightsAnnouncement
 from common.transport import Transport, TransportError, read_balance
 
 pytestmark = pytest.mark.integration
@@ -124,8 +124,8 @@ def test_weights_announcement_hash_and_pubsub(redis_url: str) -> None:
     ps.close()
 
 
-def a_round(session: str, seq: int) -> Round:
-    return Round(session, seq, 1, "g", "127.0.0.1", 29500, 2, "gloo", {"a1": 1})
+def a_round(session: str, seq: int) -> NcclRound:
+    return NcclRound(session, seq, 1, "g", "127.0.0.1", 29500, 2, "gloo", {"a1": 1})
 
 
 def test_update_group_members_age_out_and_decisions_belong_to_one_round(redis_url: str) -> None:
@@ -179,7 +179,7 @@ def test_heartbeat_expires(redis_url: str) -> None:
 
 
 def test_unreachable_redis_is_a_clear_error() -> None:
-    from common.net import free_port
+    from common.ports import free_port
 
     t = Transport(RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", retries=1, socket_timeout_s=1), "t")
     with pytest.raises(TransportError, match="unreachable"):

@@ -1,4 +1,5 @@
-"""Borrowing idle cores (common.cores): the pure rule, the /proc/stat reading, and the borrower's choices over time."""
+"""Borrowing idle cores (common.idle_cores): the pure rule, the /proc/stat reading, and the borrower's choices over
+time."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.cores import CoreBorrower, busy_seconds, quota_cores, threads_for
+from common.idle_cores import CoreBorrower, busy_seconds, quota_cores, threads_for
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,7 @@ def test_greedy_is_deterministic_and_seeded_sampling_reproducible(model_and_toke
 
 
 def test_each_step_is_called_at_every_decode_step_and_changes_nothing(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """The hook the core borrower rides (common.cores): once per generated token, the samples and log-probs as
+    """The hook the core borrower rides (common.idle_cores): once per generated token, the samples and log-probs as
     without it."""
     model, tok = model_and_tokenizer
     kw = dict(n=2, max_new_tokens=5, stop_ids=set(), pad_id=tok.pad_token_id, temperature=1.0)

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from actor.loop import Actor
+from common.children import wait_until
 from common.liveness import Liveness
 from common.metrics import (
     ActorMetrics,
@@ -33,7 +34,6 @@ from common.metrics import (
     gather_endpoints,
     register_endpoint,
 )
-from common.procs import wait_until
 
 
 def test_metrics_and_health_over_http() -> None:

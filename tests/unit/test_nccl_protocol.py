@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.weights.nccl import Bucket, Round, assign_ranks, flatten, plan_buckets, unflatten
+from common.weights.nccl import Bucket, NcclRound, assign_ranks, flatten, plan_buckets, unflatten
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:
@@ -54,9 +54,9 @@ def test_a_flattened_bucket_reads_back_bit_for_bit() -> None:
 def test_rounds_travel_as_json_and_ranks_follow_the_learner() -> None:
     offsets, world = assign_ranks({"b": 2, "a": 1, "c": 1})
     assert offsets == {"a": 1, "b": 2, "c": 4} and world == 5  # the learner is rank 0; b has two TP ranks
-    rnd = Round("s1", 3, 7, "grpo-x-1", "10.0.0.1", 29500, world, "nccl", offsets, plan_buckets(tensors(), 64))
+    rnd = NcclRound("s1", 3, 7, "grpo-x-1", "10.0.0.1", 29500, world, "nccl", offsets, plan_buckets(tensors(), 64))
     assert rnd.id == "s1:3"
-    assert Round.from_json(rnd.to_json()) == rnd
+    assert NcclRound.from_json(rnd.to_json()) == rnd
 
 
 def test_a_member_takes_only_the_announcement_of_its_own_round() -> None:
@@ -67,15 +67,15 @@ def test_a_member_takes_only_the_announcement_of_its_own_round() -> None:
     from common.schemas import WeightsAnnouncement
     from common.weights.nccl import announcement_uri
 
-    rnd = Round("s1", 3, 7, "grpo-x-s1-1", "10.0.0.1", 29500, 2, "nccl", {"a": 1})
+    rnd = NcclRound("s1", 3, 7, "grpo-x-s1-1", "10.0.0.1", 29500, 2, "nccl", {"a": 1})
     digest = "xxh3-128:" + "0" * 32
     ours = WeightsAnnouncement(7, announcement_uri(rnd), digest, format="nccl")
     assert ours.uri == "nccl://10.0.0.1/grpo-x-s1-1/s1:3" and announces(ours, rnd)
-    successor = Round("s2", 1, 7, "grpo-x-s2-1", "10.0.0.1", 29501, 2, "nccl", {"a": 1})
+    successor = NcclRound("s2", 1, 7, "grpo-x-s2-1", "10.0.0.1", 29501, 2, "nccl", {"a": 1})
     assert not announces(WeightsAnnouncement(7, announcement_uri(successor), digest, format="nccl"), rnd)
     assert not announces(WeightsAnnouncement(7, "/weights/v000007", digest), rnd)
     assert not announces(WeightsAnnouncement(8, announcement_uri(rnd), digest, format="nccl"), rnd)
-    later = Round("s1", 4, 7, "grpo-x-s1-1", "10.0.0.1", 29500, 2, "nccl", {"a": 1})  # (never: one round a version)
+    later = NcclRound("s1", 4, 7, "grpo-x-s1-1", "10.0.0.1", 29500, 2, "nccl", {"a": 1})  # (never: one round a version)
     assert not announces(WeightsAnnouncement(7, announcement_uri(later), digest, format="nccl"), rnd)
     assert not announces(None, rnd)
 
@@ -128,7 +128,7 @@ def test_update_group_requests_carry_the_fields_sglang_declares() -> None:
     engine = SGLangEngine.__new__(SGLangEngine)  # the request bodies only: no server, no tokenizer
     engine.client = Recorder()  # type: ignore[assignment]
     engine.unannounced = Unannounced(5.0)
-    rnd = Round("s", 1, 4, "g", "127.0.0.1", 1234, 2, "gloo", {"me": 1}, plan_buckets(tensors(), 64))
+    rnd = NcclRound("s", 1, 4, "g", "127.0.0.1", 1234, 2, "gloo", {"me": 1}, plan_buckets(tensors(), 64))
     engine.join_group(rnd, 1, 5.0)
     engine.receive(rnd, 5.0)
     assert engine.version == -1  # the server holds them, unannounced: nothing is sampled with them yet
@@ -189,7 +189,7 @@ def _listeners(port: int) -> list[str]:
 def test_the_learners_rendezvous_listens_on_its_address_alone() -> None:
     """weights.nccl_address 127.0.0.1: the update group's store takes connections from this machine only (torch's
     own store listens on every interface)."""
-    from common.net import free_port
+    from common.ports import free_port
     from common.weights.nccl import close_group, open_group
 
     port = free_port()

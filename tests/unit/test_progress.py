@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.pace import clock, eta_s, step_line
+from common.step_line import clock, eta_s, step_line
 from ops.live_view import Startup, waiting_for
 
 

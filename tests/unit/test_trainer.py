@@ -302,7 +302,7 @@ def test_borrowing_idle_cores_chooses_threads_in_every_block_and_changes_nothing
     """learner.borrow_idle_cores: the borrower is asked before each block of the model, forward and backward, and the
     step says how long it borrowed; the update is the one without it. Off (the default), torch's threads are left
     alone and the key is absent."""
-    from common.cores import CoreBorrower
+    from common.idle_cores import CoreBorrower
 
     tok, model = policy
     groups = groups_of(tok, model, [0] * 4)

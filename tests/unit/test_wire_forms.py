@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from common.schemas import Bucket, Heartbeat, NcclDecision, NcclMember, Round, SchemaError
+from common.schemas import Bucket, Heartbeat, NcclDecision, NcclMember, NcclRound, SchemaError
 
 # What the transport and the NCCL protocol (common.weights.nccl) wrote before these forms existed (json.dumps
 # of the same dicts).
@@ -21,9 +21,9 @@ ROUND = (
 )
 
 
-def a_round() -> Round:
+def a_round() -> NcclRound:
     bucket = Bucket(["w", "b"], ["bfloat16", "float32"], [[2, 3], [3]])
-    return Round("s1", 4, 7, "grpo-run-s1-1", "10.0.0.1", 29500, 3, "nccl", {"a1": 1, "a2": 2}, [bucket])
+    return NcclRound("s1", 4, 7, "grpo-run-s1-1", "10.0.0.1", 29500, 3, "nccl", {"a1": 1, "a2": 2}, [bucket])
 
 
 def test_the_bytes_are_those_earlier_builds_wrote() -> None:
@@ -41,10 +41,10 @@ def test_each_form_round_trips() -> None:
     assert Heartbeat.decode(HEARTBEAT).fields() == json.loads(HEARTBEAT)
     member = NcclMember(1, "abc", "grpo-x-s-2", 5.0)
     assert NcclMember.decode(member.encode().encode()) == member
-    assert Round.from_json(ROUND.encode()) == a_round()
-    assert Round.from_json(ROUND).buckets[0].sizes() == [12, 12]  # bfloat16 2 x 3, float32 3
+    assert NcclRound.from_json(ROUND.encode()) == a_round()
+    assert NcclRound.from_json(ROUND).buckets[0].sizes() == [12, 12]  # bfloat16 2 x 3, float32 3
     no_buckets = json.dumps({k: v for k, v in json.loads(ROUND).items() if k != "buckets"})
-    assert Round.from_json(no_buckets).buckets == []
+    assert NcclRound.from_json(no_buckets).buckets == []
     for decision in ("join", "go", "cancel"):
         assert NcclDecision.decode(f"ab12:3:{decision}".encode()) == NcclDecision("ab12:3", decision)  # type: ignore[arg-type]
 
@@ -73,16 +73,16 @@ def _bucket_with(**change: object) -> str:
         (NcclMember.decode, '{"ranks": 0, "nonce": "n", "group": null, "at": 1.0}', "ranks: 0 outside"),
         (NcclMember.decode, '{"ranks": "2", "nonce": "n", "group": null, "at": 1.0}', "ranks: expected an integer"),
         (NcclMember.decode, '{"ranks": 1, "nonce": "n", "group": 5, "at": 1.0}', "group: expected a string"),
-        (Round.from_json, "{", "nccl round: not JSON"),
-        (Round.from_json, '{"session": "s", "seq": 1}', "nccl round: missing"),
-        (Round.from_json, _round_with(extra=1), "unknown keys ['extra']"),
-        (Round.from_json, _round_with(seq="4"), "nccl round.seq: expected an integer"),
-        (Round.from_json, _round_with(port=70000), "nccl round.port: 70000 outside"),
-        (Round.from_json, _round_with(ranks=[1]), "nccl round.ranks: expected a map"),
-        (Round.from_json, _round_with(ranks={"a": 0}), "nccl round.ranks.a: 0 outside"),
-        (Round.from_json, _bucket_with(dtypes=["complex64"]), "dtypes: 'complex64' not one of"),
-        (Round.from_json, _bucket_with(shapes=[[-1]]), "shapes: -1 outside"),
-        (Round.from_json, _bucket_with(names=["w", "b"]), "2 names, 1 dtypes and 1 shapes"),
+        (NcclRound.from_json, "{", "nccl round: not JSON"),
+        (NcclRound.from_json, '{"session": "s", "seq": 1}', "nccl round: missing"),
+        (NcclRound.from_json, _round_with(extra=1), "unknown keys ['extra']"),
+        (NcclRound.from_json, _round_with(seq="4"), "nccl round.seq: expected an integer"),
+        (NcclRound.from_json, _round_with(port=70000), "nccl round.port: 70000 outside"),
+        (NcclRound.from_json, _round_with(ranks=[1]), "nccl round.ranks: expected a map"),
+        (NcclRound.from_json, _round_with(ranks={"a": 0}), "nccl round.ranks.a: 0 outside"),
+        (NcclRound.from_json, _bucket_with(dtypes=["complex64"]), "dtypes: 'complex64' not one of"),
+        (NcclRound.from_json, _bucket_with(shapes=[[-1]]), "shapes: -1 outside"),
+        (NcclRound.from_json, _bucket_with(names=["w", "b"]), "2 names, 1 dtypes and 1 shapes"),
         (NcclDecision.decode, "s1:4:maybe", "nccl decision: 'maybe'"),
         (NcclDecision.decode, "go", "nccl decision"),
         (NcclDecision.decode, b"s1:4:\xff", "not UTF-8"),

@@ -57,7 +57,7 @@ from common.rollout import Sample
 from common.schemas import WeightsAnnouncement
 from common.weights import WeightsError, WeightsMismatch, confined, mismatch, tensor_specs, verify
 from common.weights.adapters import base_identity, check_base
-from common.weights.nccl import Round
+from common.weights.nccl import NcclRound
 
 log = logging.getLogger(__name__)
 
@@ -365,13 +365,14 @@ class SGLangEngine:
             raise EngineError(f"the SGLang server stopped answering after {what}: {error}") from None
         raise WeightsError(f"{what}: {error}") from None
 
-    def join_group(self, rnd: Round, rank_offset: int, timeout_s: float) -> None:
-        body = {"master_address": rnd.address, "master_port": rnd.port, "rank_offset": rank_offset,
-                "world_size": rnd.world_size, "group_name": rnd.group, "backend": rnd.backend}  # fmt: skip
+    def join_group(self, nccl_round: NcclRound, rank_offset: int, timeout_s: float) -> None:
+        r = nccl_round
+        body = {"master_address": r.address, "master_port": r.port, "rank_offset": rank_offset,
+                "world_size": r.world_size, "group_name": r.group, "backend": r.backend}  # fmt: skip
         try:
             self._update_call("/init_weights_update_group", body, timeout_s)
         except EngineError as e:
-            self._unless_stuck(f"joining update group {rnd.group}", e)
+            self._unless_stuck(f"joining update group {nccl_round.group}", e)
 
     def leave_group(self, group: str) -> None:
         try:
@@ -379,7 +380,7 @@ class SGLangEngine:
         except EngineError as e:
             log.debug("leaving update group %s: %s", group, e)
 
-    def receive(self, rnd: Round, timeout_s: float) -> int:
+    def receive(self, nccl_round: NcclRound, timeout_s: float) -> int:
         """One weight-update session: each bucket as SGLang's ``flattened_bucket``, the version and a cache flush with
         the last one. Taken once the requests on their way are answered, and none is sent until the decision
         (actor.engines.sglang.unannounced), so no generation sees half a version. The server loads each bucket as it
@@ -387,19 +388,19 @@ class SGLangEngine:
         actor samples nothing, until :meth:`commit`. Raises :class:`WeightsError` when the server refused or failed
         and still answers, :class:`EngineError` when not."""
         updated = False
-        if not self.unannounced.receiving(str(rnd.version), timeout_s):
-            raise WeightsError(f"weights v{rnd.version} over NCCL: requests sent before were not answered within "
-                               f"{timeout_s:.0f}s")  # fmt: skip
+        if not self.unannounced.receiving(str(nccl_round.version), timeout_s):
+            raise WeightsError(f"weights v{nccl_round.version} over NCCL: requests sent before were not answered "
+                               f"within {timeout_s:.0f}s")  # fmt: skip
         try:
             self._update_call("/begin_weight_update", {}, timeout_s)
             try:
-                for i, b in enumerate(rnd.buckets):
-                    last = i == len(rnd.buckets) - 1
+                for i, b in enumerate(nccl_round.buckets):
+                    last = i == len(nccl_round.buckets) - 1
                     body: dict[str, Any] = {"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes,
-                                            "group_name": rnd.group, "load_format": "flattened_bucket",
+                                            "group_name": nccl_round.group, "load_format": "flattened_bucket",
                                             "flush_cache": last, "abort_all_requests": False}  # fmt: skip
                     if last:
-                        body["weight_version"] = str(rnd.version)
+                        body["weight_version"] = str(nccl_round.version)
                     updated, self.version = True, -1
                     self._update_call("/update_weights_from_distributed", body, timeout_s)
             finally:
@@ -407,26 +408,28 @@ class SGLangEngine:
         except EngineError as e:
             self.unannounced.dropped(*([self.served] if updated else []))  # a mix, under the name it had
             if updated:  # SGLang loads each bucket as it comes: the server holds a mix of two versions now
-                log.warning("weights v%d arrived in part: no sampling until a whole version is loaded", rnd.version)
-            self._unless_stuck(f"weights v{rnd.version} over NCCL", e)
+                log.warning(
+                    "weights v%d arrived in part: no sampling until a whole version is loaded", nccl_round.version
+                )
+            self._unless_stuck(f"weights v{nccl_round.version} over NCCL", e)
         except BaseException:  # (a reply cut short, say): requests waiting for the decision must not wait on
             self.unannounced.dropped(*([self.served] if updated else []))
             raise
-        self._received = rnd.id
-        return sum(b.nbytes for b in rnd.buckets)
+        self._received = nccl_round.id
+        return sum(b.nbytes for b in nccl_round.buckets)
 
-    def commit(self, rnd: Round) -> None:
+    def commit(self, nccl_round: NcclRound) -> None:
         """The round was announced: the weights the server took are this version."""
-        if self._received != rnd.id:
+        if self._received != nccl_round.id:
             self.unannounced.dropped()
-            raise WeightsError(f"weights v{rnd.version} of round {rnd.id} were not received")
+            raise WeightsError(f"weights v{nccl_round.version} of round {nccl_round.id} were not received")
         self._received = None
-        self.version = rnd.version
-        self.served = str(rnd.version)
+        self.version = nccl_round.version
+        self.served = str(nccl_round.version)
         self.unannounced.announced()
         self._drop_adapter()
 
-    def discard(self, rnd: Round) -> None:
+    def discard(self, nccl_round: NcclRound) -> None:
         """Never announced: the server holds weights nobody announced (version -1, no sampling) until a whole
         announced version is loaded, as after a version that arrived in part. A reply those weights gave (a
         request sent meanwhile from a round in flight, or an episode's next turn) is refused
@@ -435,7 +438,7 @@ class SGLangEngine:
         self.version = -1
         self.unannounced.dropped()
         log.warning("the SGLang server holds weights v%d of round %s, which were never announced: no sampling until "
-                    "an announced version is loaded", rnd.version, rnd.id)  # fmt: skip
+                    "an announced version is loaded", nccl_round.version, nccl_round.id)  # fmt: skip
 
     def close(self) -> None:
         if self.server is not None:

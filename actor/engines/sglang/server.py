@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 from actor.engines.sglang.adapters import launch_args
+from common.children import die_with_parent, stop_process
 from common.config import Config
 from common.metrics import register_endpoint
-from common.net import free_port
-from common.procs import die_with_parent, stop_process
+from common.ports import free_port
 
 log = logging.getLogger(__name__)
 
