@@ -18,9 +18,9 @@ from typing import Any, cast
 import numpy as np
 
 from actor.engines.base import Engine, EngineError, NcclEngine, load_if_due
-from actor.identity import take_actor_id
+from actor.identity import Heartbeat, take_actor_id
 from actor.outgoing import FILTERED_ZERO_STD, Outgoing, RoundEncoder
-from actor.prompts import Drawn, PromptSource
+from actor.prompts import Drawn, PromptIds, PromptSource
 from actor.rounds import InFlight, Round, rounds_in_flight, sampled_aside
 from actor.weights import WeightsSource
 from actor.weights.disk import DiskWeights
@@ -55,15 +55,14 @@ class Actor:
         self.cfg = cfg
         # The loop's beats, for /healthz (common.liveness): the heartbeat thread's Redis beats go on while it hangs.
         self.liveness = liveness or Liveness(cfg.metrics.stall_after_s)
-        # Prompts longer than this leave no room for an answer within the model's positions: skipped, counted.
-        self.prompt_limit = prompt_limit
         self.id = actor_id
         self.transport = transport
         self.engine = engine
         self.grader = grader
         self.metrics = metrics
         self.task = make_task(cfg.task, cfg.run.seed)
-        self.encode = PromptEncoder(engine.tokenizer, cfg.task)
+        # Prompts longer than prompt_limit leave no room for an answer within the model's positions: skipped, counted.
+        self.prompt_ids = PromptIds(PromptEncoder(engine.tokenizer, cfg.task), prompt_limit, metrics)
         self.prompts = PromptSource(cfg, self.task, transport, metrics)
         self.outgoing = RoundEncoder(cfg, actor_id, message_byte_limit(cfg))
         self.stop = threading.Event()
@@ -74,22 +73,25 @@ class Actor:
         self.rounds = 0
         self.version_sampled = engine.version  # the policy version of the round being graded and sent
         self.in_flight = InFlight(actor_id, engine, rounds_in_flight(cfg, engine), sampled_aside(cfg, engine), episodes)
+        self._pubsub: Any = None
+        self._set_up_weights()
+        ttl = cfg.run.heartbeat_ttl_s
+        self.heartbeat = Heartbeat(transport, actor_id, ttl, self._beat_info, self.in_flight.holders,
+                                   lambda: self.receiver.register() if self.receiver is not None else None)  # fmt: skip
+        self.superseded = False  # a newer process took this actor's id: it stops (common.transport.Superseded)
+
+    def _set_up_weights(self) -> None:
+        """Where versions come from (actor.weights): the shared volume; NCCL, with an engine that takes weights that
+        way; and with in-flight updates, the shared volume's versions mid-round too."""
+        cfg, engine = self.cfg, self.engine
         nccl = cfg.weights.transport == "nccl" and engine.capabilities.nccl_ranks > 0
-        self.disk = DiskWeights(transport, engine, metrics, over_nccl=nccl)  # versions from the shared volume
-        # actor.weight_updates in_flight: versions loaded while rounds are sampled (actor.weights.mid_round)
+        self.disk = DiskWeights(self.transport, engine, self.metrics, over_nccl=nccl)
+        self.disk.before_load = self._before_load
         self.updates = in_flight_updates(cfg, engine, self.disk.newer, self.disk.load,
                                          lambda: bool(self._pubsub.get_message()), self.disk.same_lineage)  # fmt: skip
-        self._prompt_ids: dict[str, list[int]] = {}
-        self._warned_long = False
-        self._next_heartbeat = 0.0
-        self._beat_lock = threading.Lock()  # the heartbeat thread and the loop beat alike
-        self._beats_stop = threading.Event()
-        self._pubsub: Any = None
-        self.superseded = False  # a newer process took this actor's id: it stops (common.transport.Superseded)
-        self.receiver: Receiver | None = None  # weights.transport nccl, with an engine that takes weights that way
+        self.receiver: Receiver | None = None
         if nccl:
-            self.receiver = Receiver(cfg, actor_id, transport, cast(NcclEngine, engine), metrics, self.stop)
-        self.disk.before_load = self._before_load
+            self.receiver = Receiver(cfg, self.id, self.transport, cast(NcclEngine, engine), self.metrics, self.stop)
         self.sources: list[WeightsSource] = [*([self.receiver] if self.receiver else []), self.disk]
 
     # -- the loop -----------------------------------------------------------------------------------------------
@@ -100,8 +102,7 @@ class Actor:
             return "asked to stop"
         self._pubsub = self.transport.subscribe_weights()
         self.disk.drain = self._pubsub.get_message
-        beats = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
-        beats.start()
+        self.heartbeat.start()
         try:
             while not self.stop.is_set():
                 self.liveness.beat("between rounds", version=self.engine.version)
@@ -122,8 +123,7 @@ class Actor:
             self.superseded = True  # what is registered under the id from now on is the newer process's
             raise
         finally:
-            self._beats_stop.set()
-            beats.join()
+            self.heartbeat.stop()
             self.in_flight.close()
             self._release_round()
             self._pubsub.close()
@@ -171,7 +171,7 @@ class Actor:
                 self.stop.wait(0.1)
                 break
             problems = drawn.problems
-            prompts = [self._encode_prompt(p) for p in problems]
+            prompts = [self.prompt_ids(p) for p in problems]
             self.liveness.beat("sampling a round", version=self.engine.version)
             rnd = self.in_flight.start(holder, problems, prompts, self.cfg.sampling.group_size)
             rnd.positions, rnd.unsampled = drawn.positions, drawn.unsampled()
@@ -259,37 +259,7 @@ class Actor:
     def next_problems(self, holder: str) -> Drawn:
         """The next round's problems, drawn under ``holder``'s claim; those too long for the model are left out
         (their positions in ``too_long``)."""
-        drawn = self.prompts.draw(self.cfg.actor.prompts_per_round, holder)
-        if self.prompt_limit is None:
-            return drawn
-        problems = drawn.problems
-        fits = [len(self._encode_prompt(p)) <= self.prompt_limit for p in problems]
-        if not all(fits):
-            self.metrics.prompts_skipped.inc(fits.count(False))
-            if not self._warned_long:
-                self._warned_long = True
-                longest = max(len(self._encode_prompt(p)) for p in problems)
-                log.warning(
-                    "skipping training prompts longer than %d tokens (one has %d): raise the model's positions or "
-                    "lower sampling.max_new_tokens, or shorten the template (counted as "
-                    "grpo_actor_prompts_skipped_total; warned once)",
-                    self.prompt_limit,
-                    longest,
-                )
-        return Drawn(
-            [p for p, ok in zip(problems, fits, strict=True) if ok],
-            [x for x, ok in zip(drawn.positions, fits, strict=True) if ok],
-            drawn.passed,
-            [x for x, ok in zip(drawn.positions, fits, strict=True) if not ok],
-        )
-
-    def _encode_prompt(self, problem: Problem) -> list[int]:
-        ids = self._prompt_ids.get(problem.id)
-        if ids is None:
-            if len(self._prompt_ids) >= 10_000:  # a cache of recent prompts, not of a whole large dataset
-                self._prompt_ids.clear()
-            ids = self._prompt_ids[problem.id] = self.encode(problem.prompt)
-        return ids
+        return self.prompt_ids.fitting(self.prompts.draw(self.cfg.actor.prompts_per_round, holder))
 
     def sampled(self, rnd: Round) -> Round:
         """A generated round, counted; its version (the reply's, see actor.rounds) stamps its groups, unless
@@ -329,7 +299,7 @@ class Actor:
         summary of what was filtered (for the learner's reward figures; counted in Redis, not carried by a group),
         settling the round's claim with the fate of each of its prompt positions (actor.outgoing)."""
         self.liveness.beat("sending")
-        out = self.outgoing.encode(rnd.problems, rnd.samples, rewards, prompt_ids=self._encode_prompt,
+        out = self.outgoing.encode(rnd.problems, rnd.samples, rewards, prompt_ids=self.prompt_ids,
                                    version_sampled=self.version_sampled, epochs=self.disk.epochs,
                                    positions=rnd.positions)  # fmt: skip
         out.counters.update(rnd.unsampled)
@@ -405,28 +375,5 @@ class Actor:
         if not (counters and self.transport.produce([], counters, holder=holder, filtered=filtered)):
             self.transport.release_round(holder)  # (its reservation; no claim is left to give back)
 
-    def heartbeat(self) -> None:
-        """Refresh ``actors:<id>`` (and the NCCL registration) when a third of its TTL has passed since the last
-        beat. Called by the loop and by the heartbeat thread (Redis clients are thread-safe)."""
-        with self._beat_lock:
-            now = time.monotonic()
-            if now < self._next_heartbeat:
-                return
-            ttl = self.cfg.run.heartbeat_ttl_s
-            self._next_heartbeat = now + ttl / 3
-            info = {"version": self.engine.version, "groups_sent": self.groups_sent, "rounds": self.rounds}
-            self.transport.heartbeat(self.id, ttl, info)
-            for holder in self.in_flight.holders():  # a round longer than the lease keeps its room
-                self.transport.renew_reservation(holder, ttl)
-            if self.receiver is not None:
-                self.receiver.register()
-
-    def _beat_forever(self) -> None:
-        """The heartbeat thread: a round may take longer than the TTL, and an actor whose key expires leaves the NCCL
-        update group (and ``grpo status``) while it works. A failed beat is logged and tried again."""
-        every = self.cfg.run.heartbeat_ttl_s / 6  # well within the third of the TTL a beat is due after
-        while not self._beats_stop.wait(every):
-            try:
-                self.heartbeat()
-            except Exception as e:
-                log.warning("heartbeat failed: %s", e)
+    def _beat_info(self) -> dict[str, Any]:
+        return {"version": self.engine.version, "groups_sent": self.groups_sent, "rounds": self.rounds}

@@ -51,12 +51,8 @@ def run_actor(cfg: Config) -> int:
     try:
         # Loading the model, or launching a SGLang server and waiting up to sglang.ready_timeout_s for it.
         liveness.beat("starting the engine", cfg.sglang.ready_timeout_s + cfg.metrics.stall_after_s, starting=True)
-        engine = make_engine(
-            cfg,
-            seed=cfg.run.seed * 1_000_003 + os.getpid(),
-            name=actor_id,
-            on_event=lambda kind: metrics.engine_events.labels(kind).inc(),
-        )
+        engine = make_engine(cfg, seed=cfg.run.seed * 1_000_003 + os.getpid(), name=actor_id,
+                             on_event=lambda kind: metrics.engine_events.labels(kind).inc())  # fmt: skip
         episodes = open_episodes(cfg, engine.tokenizer, engine.stop_ids)  # env.name tool
         actor = Actor(cfg, actor_id, transport, engine, grader, metrics, prompt_token_limit(cfg), episodes, liveness)
         stop = actor.stop
@@ -67,9 +63,8 @@ def run_actor(cfg: Config) -> int:
         started = time.perf_counter()
         reason = actor.run()
         sent = f"{actor.groups_sent} groups sent in {actor.rounds} rounds{episode_ends(registry)}"
-        log.info(
-            "actor %s stopped (%s): %s; %s", actor_id, reason, sent, time_split(registry, time.perf_counter() - started)
-        )
+        split = time_split(registry, time.perf_counter() - started)
+        log.info("actor %s stopped (%s): %s; %s", actor_id, reason, sent, split)
         return 0
     except EngineError as e:  # the engine's server is gone or answers nonsense: say so, and let it be restarted
         log.error("actor %s: engine %s failed: %s; exiting", actor_id, cfg.actor.engine, e)

@@ -13,7 +13,7 @@ problems, and those passed over), so that the prompts' accounting balances.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -126,3 +126,44 @@ class PromptSource:
             for name, n in pools.items():
                 metric.labels(name).inc(n)
                 self._counts[f"{kind}:{name}"] = self._counts.get(f"{kind}:{name}", 0) + n
+
+
+class PromptIds:
+    """Each problem's prompt as the model's token ids (``task``'s template applied; a cache of recent prompts, not of
+    a whole large dataset), and which prompts leave room for an answer within the model's positions (``limit``)."""
+
+    def __init__(self, encode: Callable[[str], list[int]], limit: int | None, metrics: ActorMetrics):
+        self.encode = encode
+        self.limit = limit
+        self.metrics = metrics
+        self._ids: dict[str, list[int]] = {}
+        self._warned_long = False
+
+    def __call__(self, problem: Problem) -> list[int]:
+        ids = self._ids.get(problem.id)
+        if ids is None:
+            if len(self._ids) >= 10_000:
+                self._ids.clear()
+            ids = self._ids[problem.id] = self.encode(problem.prompt)
+        return ids
+
+    def fitting(self, drawn: Drawn) -> Drawn:
+        """``drawn`` without the problems too long for the model (their positions in ``too_long``: skipped,
+        counted as grpo_actor_prompts_skipped_total, warned once)."""
+        if self.limit is None:
+            return drawn
+        fits = [len(self(p)) <= self.limit for p in drawn.problems]
+        if not all(fits):
+            self.metrics.prompts_skipped.inc(fits.count(False))
+            if not self._warned_long:
+                self._warned_long = True
+                log.warning("skipping training prompts longer than %d tokens (one has %d): raise the model's positions "
+                            "or lower sampling.max_new_tokens, or shorten the template (counted as "
+                            "grpo_actor_prompts_skipped_total; warned once)", self.limit,
+                            max(len(self(p)) for p in drawn.problems))  # fmt: skip
+        return Drawn(
+            [p for p, ok in zip(drawn.problems, fits, strict=True) if ok],
+            [x for x, ok in zip(drawn.positions, fits, strict=True) if ok],
+            drawn.passed,
+            [x for x, ok in zip(drawn.positions, fits, strict=True) if not ok],
+        )

@@ -118,7 +118,7 @@ def main() -> int:
         env={},
     )  # fmt: skip
     lora = cfg.learner.lora
-    if lora.rank:  # -o learner.lora.rank=16: the adapter alone is trained, as the learner does (learner.loop)
+    if lora.rank:  # -o learner.lora.rank=16: the adapter alone is trained, as the learner does (learner.process)
         from common.model.lora import peft_config, wrap
 
         model = wrap(model, peft_config(lora.rank, lora.alpha, lora.dropout, lora.target_modules))

@@ -92,21 +92,15 @@ def assemble(groups: list[GroupMessage], pad_id: int, learner_version: int) -> B
             behavior[row, p - 1 : p - 1 + n] = logprobs[a:e]
             ages[row, p - 1 : p - 1 + n] = age[a:e]
             row += 1
+    runs = np.concatenate([c.runs.counts if c.runs is not None else np.ones(len(c), np.int32) for c in cols])
     return Batch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        loss_mask=mask,
-        behavior_logprobs=behavior,
-        rewards=torch.from_numpy(np.concatenate([c.rewards for c in cols]).astype(np.float32)),
-        group_size=group_size,
+        input_ids=input_ids, attention_mask=attention, loss_mask=mask, behavior_logprobs=behavior,
+        rewards=torch.from_numpy(np.concatenate([c.rewards for c in cols]).astype(np.float32)), group_size=group_size,
         staleness=torch.tensor([learner_version - g.policy_version for g in groups], dtype=torch.long),
-        token_staleness=ages,
-        versions_per_answer=torch.from_numpy(
-            np.concatenate([c.runs.counts if c.runs is not None else np.ones(len(c), np.int32) for c in cols])
-        ).long(),
+        token_staleness=ages, versions_per_answer=torch.from_numpy(runs).long(),
         truncated=torch.tensor([r == "length" for c in cols for r in c.finish_reasons], dtype=torch.bool),
         penalties=_penalties(groups, group_size),
-    )
+    )  # fmt: skip
 
 
 def _token_ages(c: Completions, group_age: int) -> torch.Tensor:

@@ -139,18 +139,26 @@ def grpo_loss(
     aggregate = LOSS_TYPES[loss_type].aggregate
     loss = aggregate(per_token, mask, max_completion_length=max_completion_length, num_tokens=num_tokens)
 
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1.0)
-        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)
-        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
-        metrics = {
-            "clip_ratio/low_mean": float((low * mask).sum() / n),
-            "clip_ratio/high_mean": float((high * mask).sum() / n),
-            "clip_ratio/region_mean": float((torch.clamp(low + high, max=1.0) * mask).sum() / n),
-        }
-        if kl is not None:
-            metrics["kl"] = float((kl * mask).sum() / n)
-    return loss, metrics
+    return loss, _clip_metrics(ratio, adv, mask, epsilon_low, epsilon_high, kl)
+
+
+@torch.no_grad()
+def _clip_metrics(
+    ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float, kl: torch.Tensor | None
+) -> dict[str, float]:
+    """The share of masked tokens whose ratio the clip cut (below, where the advantage is negative; above, where it
+    is positive; either), and the mean KL to the reference where there is one."""
+    n = mask.sum().clamp(min=1.0)
+    low = ((ratio < 1 - eps_low) & (adv < 0)).to(mask.dtype)
+    high = ((ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)
+    metrics = {
+        "clip_ratio/low_mean": float((low * mask).sum() / n),
+        "clip_ratio/high_mean": float((high * mask).sum() / n),
+        "clip_ratio/region_mean": float((torch.clamp(low + high, max=1.0) * mask).sum() / n),
+    }
+    if kl is not None:
+        metrics["kl"] = float((kl * mask).sum() / n)
+    return metrics
 
 
 def importance_weights(

@@ -13,6 +13,6 @@ def main(argv: Sequence[str]) -> int:
     cfg = parse_config("grpo learner", __doc__ or "", argv)
     setup_logging("learner", cfg.run.log_level)
     check_device(cfg.model.device)
-    from learner.loop import run_learner  # torch and transformers load only after the arguments are valid
+    from learner.process import run_learner  # torch and transformers load only after the arguments are valid
 
     return run_learner(cfg)

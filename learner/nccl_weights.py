@@ -296,20 +296,7 @@ class Broadcaster:
         nccl_round = NcclRound(self.session, self.seq, version, group.name, self.address, group.port, group.world_size,
                     self.wc.nccl_backend, group.ranks, snap.buckets)  # fmt: skip
         self.transport.nccl_open_round(nccl_round)
-        # Nobody enters the group's rendezvous or a broadcast until every member said it is ready: a member that is
-        # slow or gone cancels the round before anyone is inside a collective that could not complete.
-        deadline = time.monotonic() + timeout
-        while True:
-            missing = set(group.ranks) - self.transport.nccl_ready_members(nccl_round.id)
-            if not missing:
-                break
-            if self._closing:
-                self.transport.nccl_decide(nccl_round.id, "cancel")
-                raise RoundFailed("closing", "the learner is stopping")
-            if time.monotonic() > deadline:
-                self.transport.nccl_decide(nccl_round.id, "cancel")
-                raise RoundFailed("not_ready", f"{sorted(missing)} not ready after {timeout:.0f}s")
-            time.sleep(0.02)
+        self._await_ready(nccl_round, group, timeout)
         if fresh:
             # Members join now; rank 0's store waits until all of them are connected, and only then does anyone
             # go on to a collective (NCCL forms its communicator there, and SGLang would wait in it for long).
@@ -329,6 +316,19 @@ class Broadcaster:
         except Exception as e:
             raise RoundFailed("broadcast", f"broadcast to {group.name} failed: {e}") from None
         return nccl_round
+
+    def _await_ready(self, nccl_round: NcclRound, group: _Group, timeout: float) -> None:
+        """Nobody enters the group's rendezvous or a broadcast until every member said it is ready: a member that is
+        slow or gone cancels the round before anyone is inside a collective that could not complete."""
+        deadline = time.monotonic() + timeout
+        while missing := set(group.ranks) - self.transport.nccl_ready_members(nccl_round.id):
+            if self._closing:
+                self.transport.nccl_decide(nccl_round.id, "cancel")
+                raise RoundFailed("closing", "the learner is stopping")
+            if time.monotonic() > deadline:
+                self.transport.nccl_decide(nccl_round.id, "cancel")
+                raise RoundFailed("not_ready", f"{sorted(missing)} not ready after {timeout:.0f}s")
+            time.sleep(0.02)
 
     def _close_group(self, abort: bool = False) -> None:
         if self.group is not None and self.group.pg is not None:

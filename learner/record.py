@@ -210,7 +210,7 @@ def _json_row(row: dict[str, Any]) -> str:
 
 def take_over_rows(path: Path, step: int, *, only_if_there: bool = False) -> None:
     """Replace metrics.jsonl (``path``) with its rows of steps up to ``step`` (see :meth:`Record.truncate`). A
-    learner does it twice: as soon as it holds the run (learner.loop._hold, ``only_if_there``: before it loads the
+    learner does it twice: as soon as it holds the run (learner.process._hold, ``only_if_there``: before it loads the
     model, so that a predecessor waking up meanwhile finds the file replaced and stops before its row reaches a
     tracker), and as it resumes (the checkpoint it resumed from may be older than the newest it saw first)."""
     with writing(path):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ from learner.distributed import Ranks
 from learner.loss import grpo_loss, importance_weights, micro_batch_weight
 from learner.packing import pack, unpack
 from learner.packing import positions as packed_positions
+from learner.proximal import FusedProximal, UpdateInputs
 from learner.schedule import lr_factor
 from learner.tally import PolicyStats, UpdateTally
 
@@ -373,44 +373,3 @@ class Trainer:
 def _scalar(t: torch.Tensor) -> torch.Tensor:
     """A DTensor (FSDP's total gradient norm) as the plain tensor every rank agrees on."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-@dataclass(frozen=True)
-class UpdateInputs:
-    """What every update of a step trains on. ``old`` None: proximal log-probs come from the training forward."""
-
-    batch: Batch
-    mask: torch.Tensor
-    adv: torch.Tensor
-    old: torch.Tensor | None
-    is_weights: torch.Tensor | None
-    ref: torch.Tensor | None
-
-
-class FusedProximal:
-    """Proximal log-probs gathered from the training forward (one update per batch): each micro-batch's own, detached,
-    with their importance weights; at the end, the same statistics the scoring pass reports."""
-
-    def __init__(self, mask: torch.Tensor, shown: PolicyStats, lc: Any):
-        self.mask = mask
-        self.prox = torch.zeros_like(mask)
-        self.shown = shown
-        self.cap, self.mode = lc.tis_cap, lc.is_mode
-
-    def add(
-        self, logp_all: torch.Tensor, logprobs: torch.Tensor, batch: Batch, rows: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self.mask[rows]
-        prox = logprobs * m
-        self.prox[rows] = prox
-        self.shown.add(logp_all, logprobs, batch, self.mask, rows)
-        weights, _ = importance_weights(prox, batch.behavior_logprobs[rows], m, cap=self.cap, mode=self.mode)
-        return prox, weights
-
-    def finish(self, batch: Batch, ranks: Ranks | None) -> dict[str, float]:
-        prox = self.prox
-        if ranks is not None:
-            prox = ranks.sum_tensor(prox)
-            self.shown.reduce(ranks)
-        _, w_stats = importance_weights(prox, batch.behavior_logprobs, self.mask, cap=self.cap, mode=self.mode)
-        return self.shown.stats() | w_stats

@@ -123,12 +123,9 @@ def warm_start(model: Any, tokenizer: Any, problems: list[Any], habit: float, se
     answered = 0.0
     while step < 3000:
         spaced = torch.rand(len(problems), generator=rng) < habit
-        ids = torch.full((len(problems), width), tokenizer.pad_token_id)
-        labels = torch.full_like(ids, -100)  # loss on the answer and its ending only: prompts are random digits
-        for i, p in enumerate(problems):
-            row = tokenizer(p.prompt).input_ids + answers[i] + ([space] if spaced[i] else []) + [tokenizer.eos_token_id]
-            ids[i, : len(row)] = torch.tensor(row)
-            labels[i, prompt_len[i] : len(row)] = ids[i, prompt_len[i] : len(row)]
+        ids, labels = _warm_batch(
+            tokenizer, problems, answers, prompt_len, [space if s else None for s in spaced], width
+        )
         model.train()
         loss = model(
             input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id), labels=labels
@@ -154,6 +151,26 @@ def warm_start(model: Any, tokenizer: Any, problems: list[Any], habit: float, se
         "sampled_accuracy": accuracy(model, tokenizer, problems, greedy=False),
         "greedy_accuracy": accuracy(model, tokenizer, problems, greedy=True),
     }
+
+
+def _warm_batch(
+    tokenizer: Any,
+    problems: list[Any],
+    answers: list[list[int]],
+    prompt_len: list[int],
+    endings: list[int | None],
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One warm-start batch: each problem's prompt, answer, its ending (a space, or none) and end-of-sequence, and
+    the labels: loss on the answer and its ending only (the prompts are random digits)."""
+    ids = torch.full((len(problems), width), tokenizer.pad_token_id)
+    labels = torch.full_like(ids, -100)
+    for i, p in enumerate(problems):
+        ending = [] if endings[i] is None else [endings[i]]
+        row = tokenizer(p.prompt).input_ids + answers[i] + ending + [tokenizer.eos_token_id]
+        ids[i, : len(row)] = torch.tensor(row)
+        labels[i, prompt_len[i] : len(row)] = ids[i, prompt_len[i] : len(row)]
+    return ids, labels
 
 
 def make_tiny_model(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from common.config.actor import SGLANG_CPU_ARGS, ActorConfig, SGLangConfig
 from common.config.checks import check_device, check_engine, check_model_path
+from common.config.grading import EnvConfig, GraderComponent, GraderConfig, ShapingConfig
 from common.config.learner import AdvantageConfig, CheckpointConfig, LearnerConfig, LoraConfig
 from common.config.loading import (
     ENV_KEYS,
@@ -40,15 +41,11 @@ from common.config.loading import (
 )
 from common.config.reference import key_rows, reference_markdown
 from common.config.shared import (
-    EnvConfig,
-    GraderComponent,
-    GraderConfig,
     MetricsConfig,
     ModelConfig,
     RedisConfig,
     RunConfig,
     SamplingConfig,
-    ShapingConfig,
     TaskConfig,
     WeightsConfig,
     template_fields,

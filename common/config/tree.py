@@ -11,17 +11,15 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import model_validator
 
 from common.config.actor import ActorConfig, SGLangConfig
+from common.config.grading import EnvConfig, GraderConfig, ShapingConfig
 from common.config.learner import CheckpointConfig, LearnerConfig
 from common.config.shared import (
-    EnvConfig,
-    GraderConfig,
     MetricsConfig,
     ModelConfig,
     RedisConfig,
     RunConfig,
     SamplingConfig,
     Section,
-    ShapingConfig,
     TaskConfig,
     WeightsConfig,
 )

@@ -107,13 +107,8 @@ def generate(
     row, and the unfinished rows come back with the tokens they have and finish reason "length" (the caller, who
     knows ``max_new_tokens``, tells them from rows that reached it)."""
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    # Left padding: every row's next token comes right after its last prompt token.
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
-        attn[i, width - len(p) :] = 1
+    ids, attn = _left_padded(prompts, pad_id)
+    width = ids.shape[1]
     greedy = temperature is None
     record = SampledLogprobs(temperature or 1.0, width, version) if not greedy or greedy_logprobs else None
     out = model.generate(
@@ -137,6 +132,18 @@ def generate(
         return_dict_in_generate=True,
     )
     return _samples(out.sequences[:, width:], record, n, stop_ids)
+
+
+def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one batch, padded on the left (every row's next token comes right after its last prompt
+    token), and the attention mask that leaves the padding out."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        attn[i, width - len(p) :] = 1
+    return ids, attn
 
 
 def _samples(

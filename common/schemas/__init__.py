@@ -85,8 +85,9 @@ The run's state in Redis (common.schemas.state)
     (INCRBY), ``prompts:redraw`` a list of positions, ``prompts:trained`` a bitmap of positions, and ``trained_ids``
     a sorted set of group ids scored by learner step.
 
-The forms live in four modules behind this face: the group message's types, encoding, decoding and validation
-(common.schemas.group, its optional columns in common.schemas.versions and common.schemas.masks), the small forms
+The forms live in modules behind this face: the group message's encoding, decoding and validation
+(common.schemas.group; its completions as columns, common.schemas.completions; their optional columns,
+common.schemas.versions and common.schemas.masks), the small forms
 above it (common.schemas.control), the run's state (common.schemas.state) and the prompts' accounting
 (common.schemas.prompts); the field checks they share are in
 common.schemas.fields. Import them from here.
@@ -97,6 +98,7 @@ stream with that reason and the raw bytes.
 
 from __future__ import annotations
 
+from common.schemas.completions import FINISH_REASONS, Completion, Completions, FilteredStats, FinishReason
 from common.schemas.control import (
     DIGEST_HEX_LENGTHS,
     DTYPE_SIZES,
@@ -112,14 +114,9 @@ from common.schemas.control import (
 )
 from common.schemas.fields import SchemaError, as_text
 from common.schemas.group import (
-    FINISH_REASONS,
     LOGPROB_FLOOR,
     READABLE_VERSIONS,
     SCHEMA_VERSION,
-    Completion,
-    Completions,
-    FilteredStats,
-    FinishReason,
     GroupMessage,
     decode_group,
     encode_group,

@@ -1,6 +1,6 @@
 """What the policy is trained and judged on: the prompt sources and their held-out problems (common.tasks.problems,
 whose names this face hands on) and the held-out evaluation both roles and ``grpo eval`` share
-(common.tasks.evaluation, imported from there: it needs the model's sampling types)."""
+(common.tasks.evaluation, imported from there)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from common.config import GraderConfig
 from common.rollout import Sample, SampleGrader
-from common.tasks import Problem
+from common.tasks.problems import Problem
 
 # (prompts, n, greedy) -> n samples per prompt
 Generate = Callable[[Sequence[Sequence[int]], int, bool], list[list[Sample]]]

@@ -33,7 +33,7 @@ import torch
 from common.model.lora import adapter_state
 from common.schemas import WeightsAnnouncement
 from common.storage import fsync_dir, fsync_tree, open_to_umask
-from common.transport.lease import LeaseLost
+from common.transport import LeaseLost
 from common.weights.adapters import write_adapter
 from common.weights.reading import digest
 
@@ -97,9 +97,8 @@ def publish(
     with _one_writer:
         wait_pruned(root)
         root.mkdir(parents=True, exist_ok=True)
-        final, checked, nbytes = _write_version(
-            model, tokenizer, root, version, dtype, digest_algorithm, state_dict, token, base
-        )
+        final, checked, nbytes = _write_version(model, tokenizer, root, version, dtype, digest_algorithm, state_dict,
+                                                token, base)  # fmt: skip
         kept = {version, *protect}
         if prune_in_background:
             _pruning[root] = _pruner.submit(prune, root, keep, kept, token, superseded)

@@ -13,7 +13,7 @@ import pytest
 
 from common.config import load_config
 from common.ports import free_port
-from ops.run import Run
+from ops.launcher import Run
 
 pytestmark = pytest.mark.integration
 

@@ -174,9 +174,9 @@ def test_the_actor_sends_each_answers_versions_and_stamps_its_group_with_the_new
     t = Transport(RedisConfig(url=redis_url), "fl-wire")
     announce_on(actor, LOAD_AT, lambda: t.announce_weights(pub.announcement))
     problems = actor.next_problems("actor-f").problems[:2]
-    prompts = [actor._encode_prompt(p) for p in problems]
+    prompts = [actor.prompt_ids(p) for p in problems]
     samples = actor.engine.generate(prompts, actor.cfg.sampling.group_size)
-    out = actor.outgoing.encode(problems, samples, [[0.0, 1.0] * 4] * len(problems), prompt_ids=actor._encode_prompt,
+    out = actor.outgoing.encode(problems, samples, [[0.0, 1.0] * 4] * len(problems), prompt_ids=actor.prompt_ids,
                                 version_sampled=actor.version_sampled, epochs={})  # fmt: skip
     for raw, group in zip(out.payloads, samples, strict=True):
         msg = decode_group(raw)

@@ -91,7 +91,7 @@ def test_a_fenced_out_learners_row_reaches_neither_its_successors_file_nor_a_tra
 
 def test_a_successor_replaces_the_file_as_it_takes_the_run_before_it_loads_its_model(tmp_path: Path) -> None:
     """Between taking the run and resuming (loading the model can take minutes) the successor has no Record yet: it
-    replaces the file at once (learner.loop._hold), so that a predecessor waking up meanwhile stops at its next row
+    replaces the file at once (learner.process._hold), so that a predecessor waking up meanwhile stops at its next row
     instead of appending it to the file the successor is about to keep, and giving it to its trackers."""
     first_lease = Lease(1)
     first, first_tracked = record(tmp_path, first_lease)

@@ -224,7 +224,7 @@ def _live_models() -> int:
 
 
 def test_no_reference_model_exists_when_beta_is_0(tiny_model_dir: Path) -> None:
-    from learner.loop import load_models
+    from learner.process import load_models
 
     before = _live_models()
     _, model, reference = load_models(load_config(overrides=[f"model.path={tiny_model_dir}"], env={}))
