@@ -1,9 +1,11 @@
 """Publishing policy versions: ``gather the weights → write or broadcast → announce``, and versions that never go back.
 
-``weights.transport`` disk: each version is written to ``weights.dir`` and announced in Redis. nccl: a CPU snapshot
-goes to the broadcast thread (learner.nccl_weights), which announces it once its actors have it, or writes it to disk
-when they could not take it. Versions must never go back or name two different weights (actors and staleness rely on
-both), also across learner crashes (see :meth:`Publisher.continue_versions` and learner.lineage).
+Each version goes to the first of the publisher's sinks that takes it. :class:`DiskSink` (``weights.transport`` disk,
+and the last resort of nccl) writes it to ``weights.dir`` and announces it in Redis. :class:`NcclSink` hands a CPU
+snapshot to the broadcast thread (learner.nccl_weights), which announces it once its actors have it, or writes it to
+disk when they could not take it; the versions every actor must be able to read from disk it leaves to the next.
+Versions must never go back or name two different weights (actors and staleness rely on both), also across learner
+crashes (see :meth:`Publisher.continue_versions` and learner.lineage).
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -66,15 +69,20 @@ class Publisher:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.ranks = ranks
-        self.broadcaster: Broadcaster | None = None  # weights.transport nccl, rank 0
         self._publish_lock = threading.Lock()  # one writer: the broadcast thread may write a version to disk too
-        self._announced = -1  # the newest version this learner announced
+        self.announced_version = -1  # the newest version this learner announced
         self._last_announcement: WeightsAnnouncement | None = None  # announced again if Redis loses it
         self._epoch = 0  # the lineage's epoch of the version being published, which its announcement carries
         # learner.lora: the base model's identity, written beside each version (an adapter alone) for the actors to
         # check against the base they hold (common.model.lora); None: versions are whole weights.
         self.base = base_identity(cfg.model.path) if is_lora(model) else None
-        self._said_lora = False
+        if cfg.weights.transport == "nccl" and self.base is not None:
+            # SGLang's update group carries a model's own weights, not an adapter; an adapter is small enough that
+            # the disk costs little.
+            log.info("learner.lora: versions are adapters, written to weights.dir and loaded from there (the NCCL "
+                     "update group carries whole weights only)")  # fmt: skip
+        nccl = cfg.weights.transport == "nccl" and self.base is None
+        self.sinks: list[Sink] = [*([NcclSink(self)] if nccl else []), DiskSink(self._write)]
 
     def continue_versions(self, p: Progress) -> None:
         """A learner that crashed may have published weights of steps that no checkpoint has (or before its first
@@ -102,39 +110,9 @@ class Publisher:
             return {}
         t0 = time.perf_counter()
         self._epoch = epoch
-        counts: dict[str, float] = {}
-        if self.cfg.weights.transport == "nccl" and self.base is not None and not self._said_lora:
-            # SGLang's update group carries a model's own weights, not an adapter; an adapter is small enough that
-            # the disk costs little.
-            log.info("learner.lora: versions are adapters, written to weights.dir and loaded from there (the NCCL "
-                     "update group carries whole weights only)")  # fmt: skip
-            self._said_lora = True
-        if self.cfg.weights.transport == "nccl" and self.base is None:
-            b = self._broadcaster()
-            counts = {"weights/nccl_rounds": float(b.rounds_ok), "weights/nccl_fallbacks": float(b.fallbacks)}
-            if not self._to_disk_now(version, last):
-                wc = self.cfg.weights
-                b.submit(version, snapshot(self.model, whole, wc.dtype, int(wc.nccl_bucket_mb * 2**20)))
-                return {"time/publish_s": time.perf_counter() - t0, **counts}
-        self._write(version, whole)
+        next(sink for sink in self.sinks if sink.take(version, whole, last))  # the disk takes every version
+        counts = {k: v for sink in self.sinks for k, v in sink.counts().items()}
         return {"time/publish_s": time.perf_counter() - t0, **counts}
-
-    def _broadcaster(self) -> Broadcaster:
-        if self.broadcaster is None:
-            device = str(self.ranks.device) if self.ranks is not None else self.cfg.model.device
-            self.broadcaster = Broadcaster(
-                self.cfg, self.transport, self.metrics, to_disk=self._fall_back,
-                announce_nccl=self._announce_nccl, announced=lambda: self._announced, device=device,
-            )  # fmt: skip
-        return self.broadcaster
-
-    def _to_disk_now(self, version: int, last: bool) -> bool:
-        """Whether this nccl version goes to disk too: the first and last, every ``disk_every``-th, and any that a
-        live actor outside the update group could not take."""
-        wc = self.cfg.weights
-        first = self._announced < 0
-        periodic = wc.disk_every > 0 and version % wc.disk_every == 0
-        return first or last or periodic or self._actors_without_nccl()
 
     def _write(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
         """Write ``version`` to ``weights.dir`` and announce it, unless a newer one was announced meanwhile (the
@@ -143,7 +121,7 @@ class Publisher:
         keeps the version announced until the next one is (the training loop may wait for a fall-back's write)."""
         wc = self.cfg.weights
         with self._publish_lock:
-            if version < self._announced:
+            if version < self.announced_version:
                 return
             with writing(wc.dir):
                 pub = publish(
@@ -156,30 +134,30 @@ class Publisher:
                     wc.digest,
                     prune_in_background=True,
                     state_dict=state,
-                    protect=[self._announced],
+                    protect=[self.announced_version],
                     token=self.transport.lease_token(),
                     superseded=superseded_versions(self.cfg.checkpoint.dir),
                     base=self.base,
                 )
             self._announce(pub.announcement)
-            self._announced = version
+            self.announced_version = version
         self.metrics.publish_seconds.observe(pub.seconds)
         self.metrics.publish_bytes.set(pub.nbytes)
 
-    def _fall_back(self, version: int, snap: Snapshot) -> None:
+    def fall_back(self, version: int, snap: Snapshot) -> None:
         self._write(version, snap.tensors())
 
-    def _announce_nccl(self, version: int, snap: Snapshot, nccl_round: NcclRound) -> None:
+    def announce_nccl(self, version: int, snap: Snapshot, nccl_round: NcclRound) -> None:
         """Announce a version the members of round ``nccl_round`` received over NCCL (``format: nccl``, the ``uri``
         naming the round): they take it into service when they read this, a write behind the lease's fence, so a learner
         that lost the run after its broadcast never has its bytes served. The digest (of the bytes sent) names the
         contents."""
         checked, nbytes = tensors_digest(snap.flats, self.cfg.weights.digest)
         with self._publish_lock:
-            if version <= self._announced:
+            if version <= self.announced_version:
                 return
             self._announce(WeightsAnnouncement(version, announcement_uri(nccl_round), checked, format="nccl"))
-            self._announced = version
+            self.announced_version = version
         self.metrics.publish_bytes.set(nbytes)
 
     def _announce(self, ann: WeightsAnnouncement) -> None:
@@ -194,10 +172,76 @@ class Publisher:
             if self._last_announcement is not None:
                 self.transport.announce_weights(self._last_announcement)
 
-    def _actors_without_nccl(self) -> bool:
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+class Sink(Protocol):
+    def take(self, version: int, whole: dict[str, torch.Tensor] | None, last: bool) -> bool:
+        """Send ``version`` on its way (``whole``: the tensors gathered from every rank, or None for the model's
+        own); False when this sink leaves it to the next. ``last``: the run's last version."""
+        ...
+
+    def counts(self) -> dict[str, float]:
+        """What it did so far, for the step's metrics row."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class DiskSink:
+    """Every version, written to ``weights.dir`` and announced (:meth:`Publisher._write`)."""
+
+    def __init__(self, write: Callable[[int, dict[str, torch.Tensor] | None], None]):
+        self.write = write
+
+    def take(self, version: int, whole: dict[str, torch.Tensor] | None, last: bool) -> bool:
+        self.write(version, whole)
+        return True
+
+    def counts(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class NcclSink:
+    """``weights.transport: nccl``: a CPU snapshot to the broadcast thread (started on the first version it takes),
+    except the versions that must be on disk: the first and the last, every ``weights.disk_every``-th, and any that a
+    live actor outside the update group could not take (it loads from disk only)."""
+
+    def __init__(self, publisher: Publisher):
+        self.p = publisher
+        self.broadcaster: Broadcaster | None = None
+
+    def take(self, version: int, whole: dict[str, torch.Tensor] | None, last: bool) -> bool:
+        b, wc = self._broadcaster(), self.p.cfg.weights
+        periodic = wc.disk_every > 0 and version % wc.disk_every == 0
+        if self.p.announced_version < 0 or last or periodic or self._actors_without_nccl(b):
+            return False
+        b.submit(version, snapshot(self.p.model, whole, wc.dtype, int(wc.nccl_bucket_mb * 2**20)))
+        return True
+
+    def counts(self) -> dict[str, float]:
+        if (b := self.broadcaster) is None:
+            return {}
+        return {"weights/nccl_rounds": float(b.rounds_ok), "weights/nccl_fallbacks": float(b.fallbacks)}
+
+    def _broadcaster(self) -> Broadcaster:
+        if self.broadcaster is None:
+            p = self.p
+            device = str(p.ranks.device) if p.ranks is not None else p.cfg.model.device
+            self.broadcaster = Broadcaster(
+                p.cfg, p.transport, p.metrics, to_disk=p.fall_back, announce_nccl=p.announce_nccl,
+                announced=lambda: p.announced_version, device=device,
+            )  # fmt: skip
+        return self.broadcaster
+
+    def _actors_without_nccl(self, b: Broadcaster) -> bool:
         """Whether a live actor is not a member of the update group (its engine loads from disk only)."""
-        assert self.broadcaster is not None
-        return bool(set(self.transport.live_actors()) - set(self.broadcaster.members()))
+        return bool(set(self.p.transport.live_actors()) - set(b.members()))
 
     def close(self) -> None:
         if self.broadcaster is not None:

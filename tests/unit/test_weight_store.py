@@ -348,7 +348,7 @@ def test_concurrent_publishes_all_succeed_and_the_announced_version_is_kept(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
         tokenizer=None,
         _publish_lock=threading.Lock(),
-        _announced=-1,
+        announced_version=-1,
         _announce=announce,
         base=None,  # whole weights (learner.lora off)
         metrics=LearnerMetrics(CollectorRegistry()),
