@@ -87,6 +87,7 @@ class Actor:
         nccl = cfg.weights.transport == "nccl" and engine.capabilities.nccl_ranks > 0
         self.disk = DiskWeights(self.transport, engine, self.metrics, over_nccl=nccl)
         self.disk.before_load = self._before_load
+        self.disk.drain = lambda: self._pubsub.get_message() if self._pubsub is not None else None
         self.updates = in_flight_updates(cfg, engine, self.disk.newer, self.disk.load,
                                          lambda: bool(self._pubsub.get_message()), self.disk.same_lineage)  # fmt: skip
         self.receiver: Receiver | None = None
@@ -101,7 +102,6 @@ class Actor:
         if not take_actor_id(self.transport, self.id, self.stop, self.liveness):
             return "asked to stop"
         self._pubsub = self.transport.subscribe_weights()
-        self.disk.drain = self._pubsub.get_message
         self.heartbeat.start()
         try:
             while not self.stop.is_set():

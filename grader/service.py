@@ -8,7 +8,7 @@ Request: ``POST <grader.url>`` with ``Content-Type: application/json`` and at mo
     {"items": [{"prompt": "What is 3+4?", "completion": "It is 7.", "reference": "7"}, ...]}
 
 ``prompt`` is the problem's prompt as the task wrote it (``null`` where the caller passes none), ``completion`` the
-answer's text without its stop token (:func:`grader.pool.sample_texts`), ``reference`` the problem's answer.
+answer's text without its stop token (:func:`common.rollout.sample_texts`), ``reference`` the problem's answer.
 
 Response: status 2xx with a JSON object holding one score per item, in item order, each a number in [0, 1] (other
 keys are ignored)::

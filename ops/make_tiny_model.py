@@ -1,5 +1,7 @@
-"""``grpo make-tiny-model DIR``: the offline demo model (ops.tiny_model) or, with ``--calculator``, its variant that
-calls a calculator (ops.tiny_tool_model), built here, never downloaded."""
+"""``grpo make-tiny-model DIR``: the offline demo model, built here, never downloaded.
+
+The demo model is ops.tiny_model's; with ``--calculator``, its variant that calls a calculator,
+ops.tiny_tool_model's."""
 
 from __future__ import annotations
 

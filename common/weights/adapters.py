@@ -114,7 +114,7 @@ def base_mismatch(own: Mapping[str, str], wanted: Mapping[str, str]) -> str | No
 
 def check_base(own: Mapping[str, str], directory: str | os.PathLike[str], version: int) -> None:
     """WeightsMismatch unless the adapter version in ``directory`` was trained on the base ``own`` (an engine's
-    own base, common.model.lora.base_identity): its ``base.json`` must say which base, and its digest agree."""
+    own base, base_identity): its ``base.json`` must say which base, and its digest agree."""
 
     if not (recorded := read_base(directory)):
         raise WeightsMismatch(f"weights v{version}: a LoRA adapter without base.json (which base?)")

@@ -28,7 +28,7 @@ from common.ports import free_port
 log = logging.getLogger(__name__)
 
 # scripts/sglang_env.sh makes it here, in the checkout this package runs from.
-PROJECT_VENV = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
+PROJECT_VENV = Path(__file__).resolve().parents[3] / ".venv-sglang" / "bin" / "python"
 
 
 def server_python(configured: str) -> str:
