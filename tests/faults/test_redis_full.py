@@ -1,8 +1,8 @@
 """A full Redis, for real: a `grpo learner` and two `grpo actor` processes on a redis-server that the test fills
-mid-run, with the default `redis.*` settings. `maxmemory` is set just below the memory Redis uses, with
-`maxmemory-policy noeviction`, so that Redis refuses every command that may grow its memory (OOM: the actors'
-rounds, the prompt cursor, heartbeats, and any command queued in a transaction, such as the learner's reading of the
-counters for its metrics row) for 40 s; then the limit is lifted.
+mid-run, while the learner is inside a step, with the default `redis.*` settings. `maxmemory` is set just below the
+memory Redis uses, with `maxmemory-policy noeviction`, so that Redis refuses every command that may grow its memory
+(OOM: the actors' rounds, the prompt cursor, heartbeats, and any command queued in a transaction, such as the learner's
+reading of the counters for its metrics row) for 40 s; then the limit is lifted.
 
 Then: no process died during the 40 s or after; each said in its log that Redis was full, and none wrote a traceback;
 the run finishes every step (each once in metrics.jsonl), the learner and both actors exit 0, and the accounting
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import redis
 
 from common.children import wait_until
 from common.config import RedisConfig
+from common.metrics import gather_endpoints
 from common.transport import Transport, read_balance
 from ops.redis_server import RedisServer
 from tests.faults.runs import run_settings
@@ -31,6 +33,10 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow]
 STEPS = 10
 BATCH = 4
 FULL_AT = 3  # the policy version reached when Redis fills up
+# Each learner step lasts at least this long, and Redis fills while the learner is inside one: the step's end (its
+# version announced, its row's counters read) then meets the full Redis. Filled while the learner idles, waiting for
+# groups the blocked actors cannot send, the learner met no refusal in 40 s and had nothing to say.
+STEP_S = 2.0
 FULL_S = 40.0
 FULL_LINE = "Redis is full"  # what a process says while it waits for room in Redis
 PROBE = "probe:full"  # the test's own write, which must be refused while Redis is full
@@ -52,7 +58,8 @@ def test_redis_full_for_40s_mid_run_kills_nothing(demo_model_dir: Path, tmp_path
 
 def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # type: ignore[no-untyped-def]
     run_dir = tmp / "run"
-    args = run_settings(server.url, model, run_dir, "full", STEPS, BATCH, "checkpoint.every=3")
+    args = run_settings(server.url, model, run_dir, "full", STEPS, BATCH, "checkpoint.every=3",
+                        f"learner.min_step_s={STEP_S}")  # fmt: skip
     t = Transport(RedisConfig(url=server.url), "full")
     admin = redis.Redis.from_url(server.url)
     logs = tmp / "logs"
@@ -68,7 +75,10 @@ def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # typ
         ann = t.latest_weights()
         return -1 if ann is None else ann.version
 
-    assert wait_until(lambda: version() >= FULL_AT or not alive(), 240, interval_s=0.2) and alive(), _tail(logs)
+    def training() -> bool:  # the learner is inside a step (its /healthz says what its loop is doing)
+        return doing(run_dir).startswith("training step") and version() >= FULL_AT
+
+    assert wait_until(lambda: training() or not alive(), 240, interval_s=0.1) and alive(), _tail(logs)
     produced_before = t.counters().produced
     refused, produced_while_full = _hold_full(admin, t, FULL_S, alive)
     assert alive(), _tail(logs)  # every process rode the 40 s out (checked 4 times a second)
@@ -92,6 +102,19 @@ def _run(server: RedisServer, model: Path, tmp: Path, processes) -> None:  # typ
     assert b.trained == STEPS * BATCH, b.equation()
     admin.close()
     t.close()
+
+
+def doing(run_dir: Path) -> str:
+    """What the learner's loop says it is doing ('' before its metrics server is up)."""
+    learners = [e for e in gather_endpoints(run_dir) if e["role"] == "learner"]
+    if not learners:
+        return ""
+    url = str(learners[0]["metrics_url"]).replace("/metrics", "/healthz")
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return str(json.loads(r.read()).get("doing", ""))
+    except (OSError, ValueError):
+        return ""
 
 
 def _hold_full(admin: redis.Redis, t: Transport, seconds: float, alive: Callable[[], bool]) -> tuple[float, int]:
