@@ -127,10 +127,10 @@ def evaluate(cfg: Any, n: int, adapter: Any = None) -> dict[str, Any]:
     if adapter is not None:  # a LoRA version over its base, as the actors apply it
         engine.load(adapter)
     grader = open_grader(correctness(cfg.grader))  # right or wrong, not the training reward (common.tasks.evaluation)
-    episodes = open_episodes(cfg, engine.tokenizer, engine.stop_ids)  # env.name tool: with the tool, as trained
+    episodes = open_episodes(cfg, engine.tokenizer, engine.stop_ids)  # with the environment, as trained
     try:
         encode = PromptEncoder(engine.tokenizer, cfg.task)
-        generate = episode_generate(episodes, lambda prompts, k, greedy: engine.generate(prompts, k, greedy=greedy))
+        generate = episode_generate(episodes, lambda prompts, k, greedy, _: engine.generate(prompts, k, greedy=greedy))
         scores = score_problems(problems, encode, generate, grader, engine.tokenizer, n=n, batch=cfg.task.eval_batch,
                                 require_stop=cfg.task.require_stop)  # fmt: skip
     finally:

@@ -61,7 +61,7 @@ class InFlight:
         self.id = actor_id
         self.engine = engine
         self.k = k
-        self.episodes = episodes  # env.name tool: a round's samples are whole episodes (env.episodes)
+        self.episodes = episodes  # env.name tool or yours: a round's samples are whole episodes (env.episodes)
         self.pending: deque[Round] = deque()
         self._pool = ThreadPoolExecutor(k, thread_name_prefix="generate") if k > 1 or aside else None
 
@@ -81,21 +81,23 @@ class InFlight:
         rnd = Round(holder, problems, version=self.engine.version)
         if self._pool is None:  # one round at a time: generated here and now
             try:
-                rnd.samples = self._generate(prompts, group)[0]
+                rnd.samples = self._generate(prompts, group, problems)[0]
             except UnannouncedWeights as e:
                 rnd.refused = str(e)
             rnd.version = self.engine.version  # a SGLang engine may learn from its reply what its server holds
             rnd.generated = time.perf_counter()
         else:
-            rnd.future = self._pool.submit(self._generate, prompts, group)
+            rnd.future = self._pool.submit(self._generate, prompts, group, problems)
             rnd.future.add_done_callback(lambda _: setattr(rnd, "generated", time.perf_counter()))
         self.pending.append(rnd)
         return rnd
 
-    def _generate(self, prompts: list[list[int]], group: int) -> tuple[list[list[Sample]], int | None]:
+    def _generate(
+        self, prompts: list[list[int]], group: int, problems: list[Problem]
+    ) -> tuple[list[list[Sample]], int | None]:
         if self.episodes is None:
             return self._turn(prompts, group, False)
-        return self.episodes.run(self._turn, prompts, group, version_now=lambda: self.engine.version)
+        return self.episodes.run(self._turn, prompts, group, version_now=lambda: self.engine.version, problems=problems)
 
     def _turn(self, prompts: Sequence[Sequence[int]], n: int, greedy: bool) -> tuple[list[list[Sample]], int | None]:
         """One generation: the round's answers, or one turn of its episodes (the same engine call)."""

@@ -229,7 +229,7 @@ def trl(setting: Setting, model_dir: Path, steps: int, seed: int, root: Path) ->
     with open_grader(cfg.grader) as grader:
 
         def evaluate() -> float:
-            def greedy(prompts: Any, n: int, _greedy: bool) -> Any:
+            def greedy(prompts: Any, n: int, _greedy: bool, _problems: Any) -> Any:
                 return generate(
                     policy, prompts, n=n, max_new_tokens=sc.max_new_tokens, stop_ids={eos},
                     pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos, temperature=None,

@@ -8,7 +8,8 @@ that results says which tokens the model wrote (trained, with their behaviour lo
 wrote (never trained).
 
 ``single_turn`` (the default) is no environment at all: one answer per prompt, graded, as the project always did, at
-the same speed. ``tool``: :class:`ToolEnvironment`. Your own environment implements :class:`Environment`.
+the same speed. ``tool``: :class:`ToolEnvironment`. Your own environment implements :class:`Environment` and is
+chosen as ``module.path:Class`` (env.custom).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common.config import ConfigError, EnvConfig
+from common.tasks import Problem
 from env.tools import ToolPool
 
 
@@ -27,6 +29,7 @@ class Turn:
     token_ids: Sequence[int]  # the model's turn, as its engine produced it
     finish_reason: str  # "stop" (end-of-sequence or one of the environment's stop ids) or "length"
     number: int  # 1 for the first turn of the episode
+    problem: Problem | None = None  # what the episode's prompt asks (its text and reference); None where unknown
 
 
 @dataclass(frozen=True)
@@ -105,9 +108,3 @@ def call_close_id(cfg: EnvConfig, tokenizer: Any) -> int:
             "a model turn stops at one token, so it must be exactly one"
         )
     return int(close[0])
-
-
-def make_environment(cfg: EnvConfig, tokenizer: Any) -> Environment | None:
-    """The run's environment; None for single_turn (one answer per prompt: nothing between the engine and the
-    grader)."""
-    return ToolEnvironment(cfg, tokenizer) if cfg.name == "tool" else None

@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from common.config import Config
+from common.config import Config, EnvConfig
 from common.model.limits import prompt_token_limit
 from common.rollout import Sample, merged_runs
+from common.tasks import Problem
 from common.tasks.evaluation import Generate
-from env.environment import Environment, Turn, make_environment
+from env.custom import load_environment
+from env.environment import Environment, ToolEnvironment, Turn
 
 # (contexts, n, greedy) -> (n samples per context, the version the engine reports it generated them with or None)
 TurnGenerate = Callable[[Sequence[Sequence[int]], int, bool], tuple[list[list[Sample]], int | None]]
@@ -49,6 +51,7 @@ def episode_counts(samples: Sequence[Sample]) -> tuple[Counter[str], int]:
 @dataclass
 class _Episode:
     context: list[int]  # prompt and every token so far: what the next turn is generated from
+    problem: Problem | None = None  # what the prompt asks, for the environment
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -92,21 +95,31 @@ class _Episode:
         )
 
 
+def make_environment(cfg: EnvConfig, tokenizer: Any) -> Environment | None:
+    """The run's environment; None for single_turn (one answer per prompt: nothing between the engine and the
+    grader); your class for ``module.path:Class`` (env.custom)."""
+    if cfg.name == "single_turn":
+        return None
+    return ToolEnvironment(cfg, tokenizer) if cfg.name == "tool" else load_environment(cfg, tokenizer)
+
+
 def open_episodes(cfg: Config, tokenizer: Any, stop_ids: set[int]) -> Episodes | None:
-    """The run's episodes (``env.name`` tool), None for single answers. ``stop_ids`` (an engine's, or the learner's
-    evaluation's) gains the environment's in place: a model turn also stops at a call's closing token (both engines
-    send their stop ids with each request). Close the episodes to stop the tool's worker."""
+    """The run's episodes (``env.name`` tool or your class), None for single answers. ``stop_ids`` (an engine's, or
+    the learner's evaluation's) gains the environment's in place: a model turn also stops at a call's closing token
+    (both engines send their stop ids with each request). Close the episodes to close the environment (the tool's
+    worker)."""
     env = make_environment(cfg.env, tokenizer)
     if env is None:
         return None
     stop_ids |= env.stop_ids
-    return Episodes(env, prompt_token_limit(cfg))
+    return Episodes(env, prompt_token_limit(cfg), cfg.env.max_turns)
 
 
 class Episodes:
-    def __init__(self, env: Environment, context_limit: int | None):
+    def __init__(self, env: Environment, context_limit: int | None, max_turns: int | None = None):
         self.env = env
         self.context_limit = context_limit  # the longest context a turn may start from (positions − a turn)
+        self.max_turns = max_turns  # env.max_turns, which the message size is reckoned from (common.model.limits)
 
     def close(self) -> None:
         self.env.close()
@@ -118,13 +131,16 @@ class Episodes:
         n: int,
         greedy: bool = False,
         version_now: Callable[[], int] = lambda: 0,
+        problems: Sequence[Problem] | None = None,
     ) -> tuple[list[list[Sample]], int | None]:
-        """``n`` episodes per prompt (prompt-major), and the version of the engine's last reply that reported one."""
+        """``n`` episodes per prompt (prompt-major), and the version of the engine's last reply that reported one.
+        ``problems``, one per prompt, are what the environment is told the prompts ask (Turn.problem)."""
         first, version = generate(prompts, n, greedy)
         episodes: list[_Episode] = []
-        for prompt, group in zip(prompts, first, strict=True):
+        asked = problems if problems is not None else [None] * len(prompts)
+        for prompt, problem, group in zip(prompts, asked, first, strict=True):
             for s in group:
-                episodes.append(_Episode(list(prompt)))
+                episodes.append(_Episode(list(prompt), problem))
                 episodes[-1].add_turn(s, version if version is not None else version_now())
         going = episodes
         while going := self._respond(going):
@@ -137,11 +153,13 @@ class Episodes:
 
     def _respond(self, episodes: list[_Episode]) -> list[_Episode]:
         """The environment's turn for each episode; returns those that go on to another model turn."""
-        responses = self.env.respond([Turn(e.tokens[e.answer_from :], e.finish, e.turns) for e in episodes])
+        responses = self.env.respond([Turn(e.tokens[e.answer_from :], e.finish, e.turns, e.problem) for e in episodes])
         going = []
         for e, r in zip(episodes, responses, strict=True):
             if r.ended or not r.token_ids:
                 e.ended = r.ended or "answer"
+            elif self.max_turns is not None and e.turns >= self.max_turns:  # the tool ends these itself; every
+                e.ended = "max_turns"  # environment is held to it here
             elif self.context_limit is not None and len(e.context) + len(r.token_ids) > self.context_limit:
                 e.ended, e.finish = "length", "length"
             else:
@@ -157,7 +175,12 @@ def episode_generate(episodes: Episodes | None, generate: Generate) -> Generate:
         return generate
     run = episodes.run
 
-    def turn(prompts: Sequence[Sequence[int]], n: int, greedy: bool) -> tuple[list[list[Sample]], int | None]:
-        return generate(prompts, n, greedy), None
+    def whole(
+        prompts: Sequence[Sequence[int]], n: int, greedy: bool, problems: Sequence[Problem]
+    ) -> list[list[Sample]]:
+        def turn(contexts: Sequence[Sequence[int]], k: int, g: bool) -> tuple[list[list[Sample]], int | None]:
+            return generate(contexts, k, g, ()), None
 
-    return lambda prompts, n, greedy: run(turn, prompts, n, greedy)[0]
+        return run(turn, prompts, n, greedy, problems=problems)[0]
+
+    return whole

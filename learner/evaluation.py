@@ -43,14 +43,14 @@ class Evaluator:
         # Only the held-out problems: the learner never needs the training prompts.
         self.problems = eval_problems(cfg.task, cfg.run.seed)
         self.encode = PromptEncoder(tokenizer, cfg.task)
-        # env.name tool: evaluated as trained, episodes with the tool; a turn also stops at a call's closing token.
+        # With an environment, evaluated as trained, in episodes; a turn also stops at the environment's stop ids.
         self.stop_ids = set(stop_ids)
         self.episodes = open_episodes(cfg, tokenizer, self.stop_ids)
         self.pad_id = pad_id
         self.autocast = autocast  # the trainer's: forward passes in the precision training uses
         self.cores = cores  # the trainer's (learner.borrow_idle_cores): threads chosen at each decode step
 
-    def _greedy(self, prompts: Any, n: int, _greedy: bool) -> Any:
+    def _greedy(self, prompts: Any, n: int, _greedy: bool, _problems: Any) -> Any:
         return generate(self.model, prompts, n=n, max_new_tokens=self.cfg.sampling.max_new_tokens,
                         stop_ids=self.stop_ids, pad_id=self.pad_id, temperature=None,
                         each_step=self.cores.adjust if self.cores is not None else None)  # fmt: skip

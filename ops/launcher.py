@@ -149,14 +149,23 @@ class Run:
             log.info("task: %d training prompts, %d held out", len(task.train), len(task.eval))
 
     def check_env(self) -> None:
-        """``env.call_close`` must be one token of the model's tokenizer: one line and exit 2 here, not in every
-        actor (a model the actors' SGLang servers read from their own path is checked there)."""
-        if self.cfg.env.name == "tool" and Path(self.cfg.model.path).is_dir():
-            from transformers import AutoTokenizer
+        """``env.call_close`` must be one token of the model's tokenizer, and your environment class must import and
+        build from ``env.args``: one line and exit 2 here, not in every actor (a model the actors' SGLang servers
+        read from their own path is checked there)."""
+        if self.cfg.env.name == "single_turn" or not Path(self.cfg.model.path).is_dir():
+            return
+        from transformers import AutoTokenizer
 
-            from env.environment import call_close_id
+        from env.environment import call_close_id
+        from env.episodes import make_environment
 
-            call_close_id(self.cfg.env, AutoTokenizer.from_pretrained(self.cfg.model.path))
+        tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
+        if self.cfg.env.name == "tool":
+            call_close_id(self.cfg.env, tokenizer)
+            return
+        env = make_environment(self.cfg.env, tokenizer)  # built once and closed: the actors build their own
+        if env is not None:
+            env.close()
 
     def check_redis(self) -> None:
         """An unreachable Redis (or a refused password) is a user's mistake: one line, exit 2 (TransportError), before

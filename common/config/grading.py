@@ -158,11 +158,24 @@ class ShapingConfig(Section):
 
 
 class EnvConfig(Section):
-    # What an episode is and how the tool runs: env/environment.py's docstring.
-    name: Literal["single_turn", "tool"] = Field(
+    # What an episode is and how the tool runs: env/environment.py's docstring; your own class: env/custom.py's.
+    name: str = Field(
         "single_turn",
+        pattern=r"^(single_turn|tool|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
         description="single_turn: one answer per prompt, graded (no environment); tool: episodes of model turns and "
-        "tool results, the model calling env.tool by writing env.call_open ... env.call_close",
+        "tool results, the model calling env.tool by writing env.call_open ... env.call_close; module.path:Class: "
+        "your own Environment (docs/episodes.md), built as Class(tokenizer, **env.args) in every process that samples",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="module.path:Class: the keyword arguments its constructor takes (a mapping; -o env.args.KEY=VALUE "
+        "reads VALUE as YAML: quote text that YAML reads otherwise, as -o 'env.args.feedback=\" no:\"')",
+    )
+    max_response_tokens: int = Field(
+        64,
+        ge=1,
+        description="module.path:Class: an environment turn's tokens at most; a longer one ends its episode, scored 0 "
+        "(tool_invalid)",
     )
     tool: str = Field(
         "calculator",
@@ -171,7 +184,9 @@ class EnvConfig(Section):
         "own as module.path:function, taking the call's text and returning the result's text",
     )
     max_turns: int = Field(
-        3, ge=1, description="tool: model turns per episode at most; a call in the last one ends it unanswered"
+        3,
+        ge=1,
+        description="tool and your class: model turns per episode at most; the last one ends it unanswered (max_turns)",
     )
     call_open: str = Field("(", min_length=1, description="tool: the text that opens a call in a model turn")
     call_close: str = Field(
@@ -197,8 +212,8 @@ class EnvConfig(Section):
     def max_episode_tokens(self, max_new_tokens: int) -> int:
         """The most tokens one episode's completion can hold: every turn at ``sampling.max_new_tokens`` and, between
         them, results of ``max_result_chars`` (a character is at most a token here, as in every tokenizer's worst
-        case of one character a token; the template's own text added)."""
+        case of one character a token; the template's own text added) or, from your class, ``max_response_tokens``."""
         if self.name == "single_turn":
             return max_new_tokens
-        between = self.max_result_chars + len(self.result_template)
+        between = self.max_result_chars + len(self.result_template) if self.name == "tool" else self.max_response_tokens
         return self.max_turns * max_new_tokens + (self.max_turns - 1) * between

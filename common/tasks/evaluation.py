@@ -23,8 +23,9 @@ from common.config import GraderConfig
 from common.rollout import Sample, SampleGrader
 from common.tasks.problems import Problem
 
-# (prompts, n, greedy) -> n samples per prompt
-Generate = Callable[[Sequence[Sequence[int]], int, bool], list[list[Sample]]]
+# (prompts, n, greedy, problems) -> n samples per prompt. ``problems`` are what the prompts ask, one each, for an
+# environment to be told (env.episodes); () where they are not known (an episode's later turns).
+Generate = Callable[[Sequence[Sequence[int]], int, bool, Sequence[Problem]], list[list[Sample]]]
 
 
 def correctness(grader: GraderConfig) -> GraderConfig:
@@ -63,7 +64,7 @@ def score_problems(
         prompts = [encode(p.prompt) for p in chunk]
         references = [p.reference for p in chunk]
         asked = [p.prompt for p in chunk]
-        greedy = generate(prompts, 1, True)
+        greedy = generate(prompts, 1, True, chunk)
         g = grader.grade_samples(
             tokenizer, [s[0] for s in greedy], references, require_stop=require_stop, prompts=asked
         )
@@ -72,7 +73,7 @@ def score_problems(
         if n == 0:
             out.sampled += [[] for _ in chunk]
             continue
-        sampled = generate(prompts, n, False)
+        sampled = generate(prompts, n, False, chunk)
         flat = [s for group in sampled for s in group]
         r = grader.grade_samples(
             tokenizer,

@@ -312,7 +312,7 @@ def test_evaluation_sends_each_problem_s_prompt(scorer: Scorer) -> None:
     eos = 11
     problems = [Problem("a", "1+1=", "2"), Problem("b", "2+2=", "4")]
 
-    def generate(prompts: Any, n: int, greedy: bool) -> list[list[Sample]]:
+    def generate(prompts: Any, n: int, greedy: bool, _problems: Any) -> list[list[Sample]]:
         return [[Sample([2, eos], [-0.1] * 2, "stop") for _ in range(n)] for _ in prompts]
 
     scores = score_problems(problems, lambda _: [1], generate, service(scorer.url, batch_size=16), _Tok(), n=2,
