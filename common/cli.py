@@ -187,6 +187,11 @@ def storage_problem(e: BaseException) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Your graders, tools and environments (module.path:name) are imported from the working directory first, as
+    # `python -m` does and as the processes `grpo run` starts (python -m common.cli) do: the `grpo` script, which
+    # Python starts with its own folder on the path instead, checks them where they will run.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     commands = registered_commands()
     if not commands:
         print("grpo: no subcommands registered; install the package (pip install -e .)", file=sys.stderr)

@@ -2,8 +2,9 @@
 
 The class implements :class:`env.environment.Environment` and is built as ``Class(tokenizer, **env.args)`` in every
 process that samples episodes: each actor, and the learner's and ``grpo eval``'s held-out evaluation. Its module
-must be importable there (installed, or on ``PYTHONPATH``). It runs inside that process, trusted as the config is:
-code it must not trust (what the model wrote) belongs in a tool's worker (env.tools), not in ``respond`` itself.
+must be importable there (installed, on ``PYTHONPATH``, or in the working directory, common.cli). It runs inside
+that process, trusted as the config is: code it must not trust (what the model wrote) belongs in a tool's worker
+(env.tools), not in ``respond`` itself.
 
 What the episode driver (env.episodes) holds any environment to, and what this module adds for yours:
 
@@ -11,7 +12,7 @@ What the episode driver (env.episodes) holds any environment to, and what this m
   it need not be thread-safe;
 - a ``respond`` that raises ends every episode of that call with ``tool_exception``, and one that returns anything
   but one :class:`~env.environment.Response` per turn, or a turn longer than ``env.max_response_tokens``, ends them
-  with ``tool_invalid`` (so does a token id outside the tokenizer's, or an ``ended`` outside
+  with ``tool_invalid`` (so do token ids that are not integers in the tokenizer's range, or an ``ended`` outside
   common.rollout.EpisodeEnd): scored 0 and counted (``grpo_actor_episodes{end=...}``, the actor's last log line) as a
   tool's failures are, the run goes on. The first failure of each kind is logged with its reason;
 - a model turn after which the environment would answer again but the episode has had ``env.max_turns`` turns ends
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import operator
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -64,36 +66,60 @@ class Guarded:
         self._logged: set[str] = set()
 
     def respond(self, turns: list[Turn]) -> list[Response]:
-        try:
-            with self._lock:
-                responses = self.env.respond(turns)
-        except Exception as e:
-            return self._failed(turns, "tool_exception", f"respond raised {type(e).__name__}: {e}")
-        problem = self._problem(turns, responses)
-        if problem:
-            return self._failed(turns, "tool_invalid", problem)
-        return list(responses)
+        with self._lock:
+            try:
+                replies = self.env.respond(turns)
+            except Exception as e:
+                return self._failed(turns, "tool_exception", f"respond raised {type(e).__name__}: {e}")
+            try:
+                return self._checked(turns, replies)
+            except _Invalid as e:
+                return self._failed(turns, "tool_invalid", str(e))
 
-    def _problem(self, turns: Sequence[Turn], responses: Any) -> str:
-        """Why ``responses`` cannot answer ``turns``, or ""."""
-        if not isinstance(responses, Sequence) or len(responses) != len(turns):
-            return f"respond returned {type(responses).__name__}, not a list of {len(turns)} Responses"
-        for r in responses:
-            if not isinstance(r, Response):
-                return f"respond returned a {type(r).__name__} among its Responses"
-            if len(r.token_ids) > self.max_tokens:
-                return f"a response of {len(r.token_ids)} tokens, over env.max_response_tokens={self.max_tokens}"
-            if not all(isinstance(t, int) and 0 <= t < self.vocab for t in r.token_ids):
-                return f"a response whose token_ids are not all ids of this tokenizer (ints in [0, {self.vocab}))"
-            if r.ended and r.ended not in END_REASONS:
-                return f"a response ended {r.ended!r}, not one of {', '.join(END_REASONS)}"
-        return ""
+    def _checked(self, turns: Sequence[Turn], replies: Any) -> list[Response]:
+        """``replies`` as the episode driver takes them (token ids a tuple of ints), or _Invalid saying why not."""
+        if isinstance(replies, (str, bytes)) or not isinstance(replies, Sequence) or len(replies) != len(turns):
+            raise _Invalid(f"respond returned {type(replies).__name__}, not a list of {len(turns)} Responses")
+        return [self._response(r) for r in replies]
+
+    def _response(self, r: Any) -> Response:
+        if not isinstance(r, Response):
+            raise _Invalid(f"respond returned a {type(r).__name__} among its Responses")
+        if r.ended and r.ended not in END_REASONS:
+            raise _Invalid(f"a response ended {r.ended!r}, not one of {', '.join(END_REASONS)}")
+        ids = r.token_ids
+        if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):  # bytes: text.encode(), not ids
+            raise _Invalid(f"a response's token_ids are a {type(ids).__name__}, not a sequence of token ids")
+        if len(ids) > self.max_tokens:
+            raise _Invalid(f"a response of {len(ids)} tokens, over env.max_response_tokens={self.max_tokens}")
+        tokens = _integers(ids)
+        if tokens is None or not all(0 <= t < self.vocab for t in tokens):
+            raise _Invalid(f"a response's token_ids are not all ids of this tokenizer (integers in [0, {self.vocab}))")
+        return Response(tokens, r.ended)
 
     def _failed(self, turns: Sequence[Turn], end: str, why: str) -> list[Response]:
-        if end not in self._logged:  # once per kind: a broken environment fails every call alike
+        if end not in self._logged:  # once per kind (under the lock): a broken environment fails every call alike
             self._logged.add(end)
             log.warning("environment %s: %s; its episodes end %s, scored 0 (counted; logged once)", self.name, why, end)
         return [Response(ended=end) for _ in turns]
 
     def close(self) -> None:
         self.env.close()
+
+
+class _Invalid(Exception):
+    """What a user's environment returned that cannot be an environment's turn (why, in one line)."""
+
+
+def _integers(values: Sequence[Any]) -> tuple[int, ...] | None:
+    """``values`` as ints (numpy's and torch's integers are ids too), or None when one is not an integer (a bool, a
+    float, a string)."""
+    out = []
+    for v in values:
+        if isinstance(v, bool):
+            return None
+        try:
+            out.append(operator.index(v))
+        except TypeError:
+            return None
+    return tuple(out)

@@ -45,7 +45,8 @@ class Environment(Protocol):
     stop_ids: set[int]  # tokens that end a model turn besides end-of-sequence (a call's closing token)
 
     def respond(self, turns: list[Turn]) -> list[Response]:
-        """One response per turn, in order. Called from the threads that generate rounds: must be thread-safe."""
+        """One response per turn, in order. Called from the threads that generate rounds: must be thread-safe (a
+        class chosen as ``env.name: module.path:Class`` is called one call at a time, env.custom)."""
         ...
 
     def close(self) -> None: ...

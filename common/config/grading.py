@@ -209,6 +209,12 @@ class EnvConfig(Section):
         "more ends its episode, scored 0, and the worker is restarted",
     )
 
+    @model_validator(mode="after")
+    def _check_args(self) -> EnvConfig:
+        if self.args and self.name in ("single_turn", "tool"):
+            raise ValueError(f"env.args: used by your own class (env.name: module.path:Class) only, not {self.name}")
+        return self
+
     def max_episode_tokens(self, max_new_tokens: int) -> int:
         """The most tokens one episode's completion can hold: every turn at ``sampling.max_new_tokens`` and, between
         them, results of ``max_result_chars`` (a character is at most a token here, as in every tokenizer's worst

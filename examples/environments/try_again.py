@@ -2,15 +2,17 @@
 
     grpo run -o env.name=examples.environments.try_again:TryAgain -o env.max_turns=3
 
-(from the repository's root, or with this folder's root on ``PYTHONPATH``; ``-o env.args.feedback="..."`` changes
-what the model is told). Each episode: the model answers; a right answer ends it, a wrong one is answered with the
-feedback text and the model tries again, up to ``env.max_turns`` answers. The reward is the grader's score of the
-last answer, as for every episode; the feedback is the environment's text, never trained on.
+(``grpo`` imports it from the working directory, here the repository's root, or from ``PYTHONPATH``;
+``-o 'env.args.feedback="..."'`` changes what the model is told). Each episode: the model answers; a right answer
+ends it, a wrong one is answered with the feedback text and the model tries again, up to ``env.max_turns`` answers.
+The reward is the grader's score of the last answer, as for every episode; the feedback is the environment's text,
+never trained on.
 
 What every environment implements (env.environment.Environment): ``stop_ids``, ``respond`` (one
 :class:`Response` per :class:`Turn`: token ids to append, or ``ended`` with the reason) and ``close``. A turn carries
 the model's token ids as its engine produced them, how it finished, its number in the episode and the problem its
-prompt asks (``turn.problem.reference`` is the right answer).
+prompt asks (``turn.problem.reference`` is what the grader gets: the answer, for the tasks whose reference is
+one; a reasoning-gym problem's is where it came from).
 """
 
 from __future__ import annotations

@@ -54,6 +54,28 @@ def test_the_example_is_built_with_its_args_and_told_each_prompts_problem(tok):
     assert group[1].mask == (1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1)  # the feedback is the environment's, never trained
 
 
+def test_ids_of_any_integer_type_are_taken_as_ints(tok, user_module):
+    np = pytest.importorskip("numpy")
+
+    class NumpyIds:
+        stop_ids: ClassVar[set[int]] = set()
+
+        def __init__(self, tokenizer: Any):
+            pass
+
+        def respond(self, turns: list[Turn]) -> list[Response]:
+            return [Response(tuple(np.array([7, 8]))) if t.number == 1 else Response(ended="answer") for t in turns]
+
+        def close(self) -> None: ...
+
+    user_module.NumpyIds = NumpyIds
+    env = make_environment(EnvConfig(name="user_envs:NumpyIds"), tok)
+    assert env is not None
+    (group,), _ = Episodes(env, None, 3).run(Scripted({0: [[5], [6]]}), [[0]], 1)
+    assert group[0].ended == "answer" and group[0].token_ids == [5, 7, 8, 6]
+    assert all(type(t) is int for t in group[0].token_ids)
+
+
 def test_an_environment_that_would_go_on_past_max_turns_ends_the_episode(tok):
     env = make_environment(EnvConfig(name=TRY_AGAIN, max_turns=2), tok)
     assert env is not None
@@ -88,6 +110,10 @@ def test_a_failing_environment_ends_its_episodes_counted_and_logs_the_reason_onc
     }
     bad_replies = [
         lambda turns: ["text" for _ in turns],  # not Responses
+        lambda turns: [Response(None) for _ in turns],  # type: ignore[arg-type]  # no token ids at all
+        lambda turns: [Response(b"no") for _ in turns],  # type: ignore[arg-type]  # text.encode(), not ids
+        lambda turns: [Response((True, 5)) for _ in turns],  # a bool is not an id
+        lambda turns: [Response((5.0,)) for _ in turns],  # nor a float
         lambda turns: [Response(tuple(range(9))) for _ in turns],  # over env.max_response_tokens
         lambda turns: [Response((len(tok),)) for _ in turns],  # an id past the tokenizer's
         lambda turns: [Response(ended="solved") for _ in turns],  # not an EpisodeEnd
