@@ -6,7 +6,7 @@ It imports nothing: a grader worker process reads it without loading the config'
 
 from __future__ import annotations
 
-PLAIN = ("addition", "exact", "gsm8k", "math")  # the name alone is the grader
+PLAIN = ("addition", "exact", "gsm8k", "math", "reasoning_gym")  # the name alone is the grader
 REGEX = "regex"  # the answer is a pattern's one group
 FORMAT = "format"  # the whole completion has a layout
 WITH_PATTERN = (REGEX, FORMAT)  # take grader.pattern

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
+from grader.gym import reasoning_gym  # noqa: F401 - a built-in grader (grader.GRADERS) kept in a module of its own
+
 
 def addition(completion: str, reference: str) -> float:
     """The demo task: 1 when the completion is exactly the answer (``"8"`` for ``"3+5="``), no spaces, nothing else.

@@ -55,6 +55,9 @@ class _Worker:
             [sys.executable, "-m", "grader.worker", name if isinstance(name, str) else json.dumps(name)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            # One string hashing in every worker: a grader that regenerates what a task generated (reasoning-gym's
+            # datasets, some of which draw from sets of strings) gets what common.tasks.gym's child got.
+            env={**os.environ, "PYTHONHASHSEED": "0"},
             preexec_fn=_limited(memory_mb),
         )
         self._buf = b""

@@ -41,6 +41,7 @@ from common.config.loading import (
 )
 from common.config.reference import key_rows, reference_markdown
 from common.config.shared import (
+    GymDataset,
     MetricsConfig,
     ModelConfig,
     RedisConfig,
@@ -66,6 +67,7 @@ __all__ = [
     "EnvConfig",
     "GraderComponent",
     "GraderConfig",
+    "GymDataset",
     "LearnerConfig",
     "LoraConfig",
     "MetricsConfig",

@@ -56,6 +56,23 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_task_grader(self) -> Config:
+        """A reasoning_gym problem's reference says where it came from, not its answer: only the reasoning_gym grader
+        (alone or in a combine) reads it, and your own or a service may; it reads no other task's references."""
+        g = self.grader
+        names = {g.name, *(c.name for c in g.components)}
+        gym = self.task.name == "reasoning_gym"
+        if gym and not _grades_gym_problems(g):
+            raise ValueError(
+                f"grader.name: the reasoning_gym task is graded by its datasets' own scoring: grader.name="
+                f"reasoning_gym, or a combine of it with format or your own graders, got {g.name}"
+                + (f" of {', '.join(c.name for c in g.components)}" if g.components else "")
+            )
+        if not gym and "reasoning_gym" in names:
+            raise ValueError(f"grader.name: reasoning_gym grades task.name=reasoning_gym only, not {self.task.name}")
+        return self
+
+    @model_validator(mode="after")
     def _check_across_sections(self) -> Config:
         """Settings of different sections that only fail together (each alone is valid)."""
         if self.actor.synchronous and (
@@ -98,3 +115,13 @@ def mask_url(url: str) -> str:
     userinfo, at, hosts = parts.netloc.rpartition("@")
     netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}" if at and ":" in userinfo else parts.netloc
     return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def _grades_gym_problems(g: GraderConfig) -> bool:
+    """Whether ``g`` reads a reasoning_gym problem's reference (where it came from, not its answer): the reasoning_gym
+    grader, a service or your own function (they get the reference as it is); a combine only when every part that
+    judges the answer does (format judges the layout alone)."""
+    if g.name in ("reasoning_gym", "service") or ":" in g.name:
+        return True
+    judges = [c.name for c in g.components if c.name != "format"] if g.name == "combine" else []
+    return bool(judges) and all(n == "reasoning_gym" or ":" in n for n in judges)

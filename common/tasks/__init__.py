@@ -1,6 +1,7 @@
-"""What the policy is trained and judged on: the prompt sources and their held-out problems (common.tasks.problems,
-whose names this face hands on) and the held-out evaluation both roles and ``grpo eval`` share
-(common.tasks.evaluation, imported from there)."""
+"""What the policy is trained and judged on: what a task is (common.tasks.task: a problem, the training prompts and
+the held-out ones), the prompt sources (common.tasks.problems; reasoning-gym's in common.tasks.gym), whose names this
+face hands on, and the held-out evaluation both roles and ``grpo eval`` share (common.tasks.evaluation, imported
+from there)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from common.config import GraderConfig
 from common.rollout import Sample, SampleGrader
-from common.tasks.problems import Problem
+from common.tasks.task import Problem
 
 # (prompts, n, greedy, problems) -> n samples per prompt. ``problems`` are what the prompts ask, one each, for an
 # environment to be told (env.episodes); () where they are not known (an episode's later turns).

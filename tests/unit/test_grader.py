@@ -238,7 +238,9 @@ def test_every_grader_the_config_accepts_is_built_and_no_other() -> None:
         components = [{"name": "exact"}] if name == grader_names.COMBINE else []
         pattern = "(\\d+)" if name == grader_names.REGEX else ""
         spec = GraderConfig(name=name, pattern=pattern, components=components).spec()
-        assert build_grader(spec)("7", "7") in (0.0, 1.0), name
+        grader = build_grader(spec)
+        if name != "reasoning_gym":  # which grades where a problem came from: tests/unit/test_gym_task.py
+            assert grader("7", "7") in (0.0, 1.0), name
     with pytest.raises(ConfigError, match=r"grader\.name: String should match pattern"):
         load_config(overrides=["grader.name=gsm9k"], env={})
 
