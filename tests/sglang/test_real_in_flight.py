@@ -9,7 +9,11 @@ The worst token: the server computes in bfloat16, and a few tokens' log-probs ha
 float32 and bfloat16 computations of them differ by tenths of a nat, where most tokens' agree within hundredths). A
 fixed bound on the worst of ~800 tokens failed now and then on such a token alone (1.09 against 0.5, once); each
 token is held to the bound plus twice the spread of its own two computations, so a token that does not hang on
-rounding is held to the bound as before."""
+rounding is held to the bound as before. The mean under autocast is taken over whole answers: when the update lands
+after a token or two, the old version's part is the same few tokens in all eight answers, and its mean alone was
+one token's bfloat16 rounding (0.033 against the 0.02 bound, once, where the float32 computation was 0.011 off).
+The float32 means keep their bound on each version's part, and the version is loaded 0.2 s into the answers first
+(13-31 tokens in, on an AMD EPYC with AVX512-BF16), sooner on each retry, rather than after 0.05 s (a token or two)."""
 
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ TOKENS = 100  # within the demo model's 128 positions
 SHARPEN = 2.0  # the new version's final norm scale: log-probs move by far more than bf16's error (checked below)
 # bf16's error in a logit grows with the logit: the sharper model's worst token of ~800 may be SHARPEN times as far.
 SHARPER_MAX_TOL = SHARPEN * LOGPROB_MAX_TOL
+LOAD_AFTER_S = (0.2, 0.1, 0.05, 0.02, 0.01)  # when the version is loaded after the request is sent, try by try
 
 
 @pytest.fixture(scope="module")
@@ -71,21 +76,23 @@ def test_an_update_mid_answer_is_served_from_the_next_token_on(
     with torch.no_grad():
         new.model.norm.weight.mul_(SHARPEN)
     prompt = tokenizer.encode("12+7=")
-    for attempt in range(1, 6):  # an update that lands after the answers ended teaches nothing: try again
+    # The update should land some tokens into the answers (the old version's part is then more than one token's
+    # rounding), and must land before they end (an update after them teaches nothing): sooner on each try.
+    for attempt, wait_s in enumerate(LOAD_AFTER_S, 1):  # noqa: B007 - the attempt that landed is reported below
         version = e.version + 1
         ann = publish(new if version % 2 else old, tokenizer, Path(e.cfg.weights.dir), version, keep=2).announcement
         before, after = (old, new) if version % 2 else (new, old)
         out: dict[str, Any] = {}
         worker = threading.Thread(target=send, args=(e, long_answers(e, prompt), out))
         worker.start()
-        time.sleep(0.05 * attempt)
+        time.sleep(wait_s)
         e.load(ann)
         worker.join(120)
         groups, newest = parse_samples(out["r"], 1, 8, mixed=True)
         spanning = [s for s in groups[0] if len(s.versions) == 2]
         if spanning:
             break
-    assert spanning, "no update landed mid-answer in 5 attempts"
+    assert spanning, f"no update landed mid-answer in {len(LOAD_AFTER_S)} attempts"
     assert newest == str(version) and e.version == version
     old_gaps, new_gaps, unchanged_gaps, old_gaps16, new_gaps16, over = [], [], [], [], [], []
     for s in spanning:
@@ -102,12 +109,17 @@ def test_an_update_mid_answer_is_served_from_the_next_token_on(
         new_gaps16 += gaps(ours16[k:], s.logprobs[k:])
         over += [g - SHARPER_MAX_TOL - 2 * d for g, d in zip(gaps(ours, s.logprobs), gaps(ours, ours16), strict=True)]
         unchanged_gaps += gaps(expected(before, before, prompt, s, "recompute")[k:], s.logprobs[k:])
-    print(f"{mode}: {len(spanning)} answers span v{version - 1} and v{version} (attempt {attempt}); mean |Δ| before "
+    landed = sorted(s.versions[0][1] for s in spanning)
+    print(f"{mode}: {len(spanning)} answers span v{version - 1} and v{version}, after {landed[0]}-{landed[-1]} tokens "
+          f"(attempt {attempt}); mean |Δ| before "
           f"{mean(old_gaps):.4f}, after {mean(new_gaps):.4f} (max {max(new_gaps):.3f}); had the old weights "
           f"stayed: {mean(unchanged_gaps):.4f}; under autocast before {mean(old_gaps16):.4f}, after "
           f"{mean(new_gaps16):.4f}; the worst token {max(over):+.3f} from its bound")  # fmt: skip
-    for g in (old_gaps, new_gaps, old_gaps16, new_gaps16):
+    for g in (old_gaps, new_gaps):
         assert mean(g) < LOGPROB_MEAN_TOL
+    # Under autocast, over every token of the answers (see the module docstring): stale casts of the old weights after
+    # the update would put the new version's part tenths of a nat off.
+    assert mean(old_gaps16 + new_gaps16) < LOGPROB_MEAN_TOL
     assert max(over) < 0, f"a token {max(over):.3f} past its bound"
     # The old weights' log-probs are ten times further off: the tolerance cannot pass them for the new ones'.
     assert mean(unchanged_gaps) > 10 * mean(new_gaps)
