@@ -21,7 +21,6 @@ What the episode driver (env.episodes) holds any environment to, and what this m
 
 from __future__ import annotations
 
-import importlib
 import logging
 import operator
 import threading
@@ -31,6 +30,7 @@ from typing import Any
 from common.config import ConfigError, EnvConfig
 from common.rollout import END_REASONS
 from env.environment import Environment, Response, Turn
+from grader import import_function
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,10 @@ log = logging.getLogger(__name__)
 def load_environment(cfg: EnvConfig, tokenizer: Any) -> Environment:
     """Your class built from ``env.name`` and ``env.args``, guarded (see the module docstring); ConfigError naming
     the field when it cannot be imported or built."""
-    module, _, attr = cfg.name.partition(":")
     try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"config error: env.name: {cfg.name!r} cannot be imported: {e}") from None
+        cls = import_function(cfg.name, "environment", "single_turn, tool")  # a class is called as a function is
+    except KeyError as e:
+        raise ConfigError(f"config error: env.name: {e.args[0]}") from None
     try:
         env = cls(tokenizer, **cfg.args)
     except Exception as e:  # a constructor's refusal is the config's mistake: say so in one line
