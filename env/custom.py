@@ -11,10 +11,11 @@ What the episode driver (env.episodes) holds any environment to, and what this m
 - ``respond`` is called from the threads that generate rounds; yours is called under a lock, one call at a time, so
   it need not be thread-safe;
 - a ``respond`` that raises ends every episode of that call with ``tool_exception``, and one that returns anything
-  but one :class:`~env.environment.Response` per turn, or a turn longer than ``env.max_response_tokens``, ends them
-  with ``tool_invalid`` (so do token ids that are not integers in the tokenizer's range, or an ``ended`` outside
-  common.rollout.EpisodeEnd): scored 0 and counted (``grpo_actor_episodes{end=...}``, the actor's last log line) as a
-  tool's failures are, the run goes on. The first failure of each kind is logged with its reason;
+  but one reply per turn ends them with ``tool_invalid``; a reply that is not a :class:`~env.environment.Response`,
+  is longer than ``env.max_response_tokens``, holds token ids that are not integers in the tokenizer's range or an
+  ``ended`` outside common.rollout.EpisodeEnd ends its own episode with ``tool_invalid``. Each scores 0 and is
+  counted (``grpo_actor_episodes{end=...}``, the actor's last log line) as a tool's failures are; the run goes on.
+  The first failure of each kind is logged with its reason;
 - a model turn after which the environment would answer again but the episode has had ``env.max_turns`` turns ends
   it (``max_turns``).
 """
@@ -70,16 +71,17 @@ class Guarded:
                 replies = self.env.respond(turns)
             except Exception as e:
                 return self._failed(turns, "tool_exception", f"respond raised {type(e).__name__}: {e}")
-            try:
-                return self._checked(turns, replies)
-            except _Invalid as e:
-                return self._failed(turns, "tool_invalid", str(e))
+            if isinstance(replies, (str, bytes)) or not isinstance(replies, Sequence) or len(replies) != len(turns):
+                why = f"respond returned {type(replies).__name__}, not a list of {len(turns)} Responses"
+                return self._failed(turns, "tool_invalid", why)
+            return [self._checked(r) for r in replies]  # one bad reply ends its own episode, not its neighbours'
 
-    def _checked(self, turns: Sequence[Turn], replies: Any) -> list[Response]:
-        """``replies`` as the episode driver takes them (token ids a tuple of ints), or _Invalid saying why not."""
-        if isinstance(replies, (str, bytes)) or not isinstance(replies, Sequence) or len(replies) != len(turns):
-            raise _Invalid(f"respond returned {type(replies).__name__}, not a list of {len(turns)} Responses")
-        return [self._response(r) for r in replies]
+    def _checked(self, r: Any) -> Response:
+        """``r`` as the episode driver takes it (token ids a tuple of ints), or the end of its episode, invalid."""
+        try:
+            return self._response(r)
+        except _Invalid as e:
+            return self._failed([r], "tool_invalid", str(e))[0]
 
     def _response(self, r: Any) -> Response:
         if not isinstance(r, Response):

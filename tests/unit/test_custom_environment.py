@@ -54,6 +54,26 @@ def test_the_example_is_built_with_its_args_and_told_each_prompts_problem(tok):
     assert group[1].mask == (1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1)  # the feedback is the environment's, never trained
 
 
+def test_one_bad_reply_ends_its_own_episode_and_not_its_neighbours(tok, user_module):
+    class OneTooLong:
+        stop_ids: ClassVar[set[int]] = set()
+
+        def __init__(self, tokenizer: Any):
+            pass
+
+        def respond(self, turns: list[Turn]) -> list[Response]:
+            return [Response((7,) * (9 if i == 0 else 1)) if t.number == 1 else Response(ended="answer")
+                    for i, t in enumerate(turns)]  # fmt: skip
+
+        def close(self) -> None: ...
+
+    user_module.OneTooLong = OneTooLong
+    env = make_environment(EnvConfig(name="user_envs:OneTooLong", max_response_tokens=8), tok)
+    assert env is not None
+    (group,), _ = Episodes(env, None, 3).run(Scripted({0: [[5]], 1: [[6], [4]]}), [[0]], 2)
+    assert [s.ended for s in group] == ["tool_invalid", "answer"] and group[1].token_ids == [6, 7, 4]
+
+
 def test_ids_of_any_integer_type_are_taken_as_ints(tok, user_module):
     np = pytest.importorskip("numpy")
 
