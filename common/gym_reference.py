@@ -1,6 +1,7 @@
 """What a reasoning-gym problem's reference holds, in one place: the task writes it (common.tasks.gym) and the grader's
 worker reads it (grader.gym). Where the problem came from — the dataset, its config, its seed and size, the item's
-index — and a fingerprint of the question asked, so that the grader can tell an entry it regenerates from another.
+index — and a fingerprint of the question asked and its answer, so that the grader can tell an entry it
+regenerates from another.
 
 It imports nothing but the standard library: a grader worker process reads it without loading the config's libraries.
 """
@@ -12,12 +13,13 @@ import json
 from typing import Any
 
 
-def fingerprint(question: str) -> str:
-    return hashlib.sha256(question.encode()).hexdigest()[:16]
+def fingerprint(entry: dict[str, Any]) -> str:
+    """Of the entry's question and answer: an entry regenerated otherwise differs in one of them."""
+    return hashlib.sha256(f"{entry['question']}\0{entry['answer']}".encode()).hexdigest()[:16]
 
 
-def encode(dataset: str, config: dict[str, Any], seed: int, size: int, index: int, question: str) -> str:
-    where = {"d": dataset, "c": config, "s": seed, "n": size, "i": index, "q": fingerprint(question)}
+def encode(dataset: str, config: dict[str, Any], seed: int, size: int, index: int, entry: dict[str, Any]) -> str:
+    where = {"d": dataset, "c": config, "s": seed, "n": size, "i": index, "q": fingerprint(entry)}
     return json.dumps(where, sort_keys=True)
 
 

@@ -5,8 +5,8 @@ The reference of a reasoning-gym problem (common.tasks.gym) is not an answer but
 (common.gym_reference). The dataset is rebuilt from it (once per worker) and its entry regenerated, so that
 ``score_answer`` gets the whole entry, metadata included, as the library's own training loops give it: a dataset
 whose answers are not one string (several right ones, a tolerance, a partial credit) is judged its own way. An entry
-that does not ask the question the reference's fingerprint names (a dataset that generates differently in this
-interpreter) is not judged: the grader raises, the answer scores 0, counted (``exception``).
+whose question and answer are not those the reference's fingerprint names (a dataset that generates differently in
+this interpreter) is not judged: the grader raises, the answer scores 0, counted (``exception``).
 
 The answer, the convention written in docs/tasks.md: the text inside the completion's last ``<answer>…</answer>``
 (reasoning-gym's own ``extract_answer``: the instruction the prompt ends with asks for it); without one, the
@@ -40,8 +40,8 @@ def reasoning_gym(completion: str, reference: str) -> float:
     where = gym_reference.decode(reference)
     dataset = _dataset(library, where["d"], json.dumps(where["c"], sort_keys=True), where["s"], where["n"])
     entry = dataset[where["i"]]
-    if gym_reference.fingerprint(str(entry["question"])) != where["q"]:
-        raise ValueError(f"{where['d']} item {where['i']} regenerated another question than the one asked")
+    if gym_reference.fingerprint(entry) != where["q"]:
+        raise ValueError(f"{where['d']} item {where['i']} regenerated another question or answer than the task's")
     return float(dataset.score_answer(answer_text(completion), entry))
 
 

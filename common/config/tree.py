@@ -68,6 +68,11 @@ class Config(Section):
                 f"reasoning_gym, or a combine of it with format or your own graders, got {g.name}"
                 + (f" of {', '.join(c.name for c in g.components)}" if g.components else "")
             )
+        if gym and g.isolation == "inline" and g.name != "service":
+            raise ValueError(
+                "grader.isolation: the reasoning_gym task is graded in worker processes (process), which regenerate "
+                "each problem with the task's string hashing; inline grading in this process could not"
+            )
         if not gym and "reasoning_gym" in names:
             raise ValueError(f"grader.name: reasoning_gym grades task.name=reasoning_gym only, not {self.task.name}")
         return self

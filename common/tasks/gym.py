@@ -15,8 +15,8 @@ the datasets, ``train_size``, ``eval_size`` and ``run.seed``: change one and the
 
 The prompt is ``task.prompt_template`` of ``{question}`` and ``{dataset}`` (empty: the question, then the instruction
 to answer inside ``<answer></answer>``, which grader.gym reads). The reference says where the problem came from, with
-a fingerprint of its question, for grader.name ``reasoning_gym`` to regenerate the entry, check it is the one asked,
-and call the dataset's own ``score_answer`` (grader/gym.py).
+a fingerprint of its question and answer, for grader.name ``reasoning_gym`` to regenerate the entry, check it is the
+one asked, and call the dataset's own ``score_answer`` (grader/gym.py).
 """
 
 from __future__ import annotations
@@ -100,13 +100,14 @@ class _Made:
         rows: list[list[str]] = []
         while len(rows) < n and self.next < self.size:
             i, self.next = self.next, self.next + 1
-            question = str(self.dataset[i]["question"])
+            entry = self.dataset[i]
+            question = str(entry["question"])
             if question in asked:
                 continue
             if hold:
                 asked.add(question)
             pid = f"{split}-{self.k}-{self.d['name']}-{i}"  # its place in the list: a name may be listed twice
-            rows.append([pid, question, self.d["name"], self.reference(i, question)])
+            rows.append([pid, question, self.d["name"], self.reference(i, entry)])
         if len(rows) < n:
             raise ConfigError(
                 f"config error: task.datasets: {self.d['name']} gave {len(rows)} of {n} {split} problems in "
@@ -114,8 +115,8 @@ class _Made:
             )
         return rows
 
-    def reference(self, i: int, question: str) -> str:
-        return gym_reference.encode(self.d["name"], self.d["config"], self.seed, self.size, i, question)
+    def reference(self, i: int, entry: dict[str, Any]) -> str:
+        return gym_reference.encode(self.d["name"], self.d["config"], self.seed, self.size, i, entry)
 
 
 def _create(d: dict[str, Any], seed: int, size: int) -> Any:

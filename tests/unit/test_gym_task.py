@@ -119,6 +119,8 @@ def test_the_task_and_its_grader_go_together():
             with pytest.raises(ValueError, match=r"grader\.name: the reasoning_gym task"):
                 Config(**base, grader=grader)
     assert Config(**base, grader={"name": "my.rewards:score"}).grader.name == "my.rewards:score"
+    with pytest.raises(ValueError, match=r"grader\.isolation"):
+        Config(**base, grader={"name": "reasoning_gym", "isolation": "inline"})
 
 
 def test_the_answer_is_the_last_answer_tag_or_else_the_last_line():
