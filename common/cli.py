@@ -187,12 +187,11 @@ def storage_problem(e: BaseException) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Your graders, tools and environments (module.path:name) are found in the working directory too, as the
-    # processes `grpo run` starts (python -m common.cli) find them: the `grpo` script, which Python starts with its
-    # own folder on the path instead, checks them as they will run. Last on the path: a folder of the working
-    # directory never hides an installed package.
+    # Your graders, tools and environments (module.path:name) are found in the working directory first, as the
+    # processes `grpo run` starts (python -m common.cli, python -m grader.worker) find them: the `grpo` script,
+    # which Python starts with its own folder on the path instead, checks them as they will run.
     if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+        sys.path.insert(0, os.getcwd())
     commands = registered_commands()
     if not commands:
         print("grpo: no subcommands registered; install the package (pip install -e .)", file=sys.stderr)
